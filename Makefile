@@ -1,0 +1,41 @@
+# secondorder: `make demo` and `make test` are all the set-up a fresh machine needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A plain `torch` requirement can pull a multi-GB CUDA build; ask for the CPU build here.
+# Override on a GPU machine, e.g. `make test TORCH_SPEC=torch`.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test test-slow lint typecheck format clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,examples]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m secondorder demo
+
+lint: venv
+	$(PY) -m ruff check secondorder tests examples benchmarks
+	$(PY) -m ruff format --check secondorder tests examples benchmarks
+
+typecheck: venv
+	$(PY) -m mypy
+
+test: lint typecheck
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow
+
+format: venv
+	$(PY) -m ruff format secondorder tests examples benchmarks
+	$(PY) -m ruff check --fix secondorder tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

@@ -1,0 +1,137 @@
+"""Typed, validated, frozen configuration of the LM optimizer.
+
+Every field is checked when the object is built; a bad value raises at once with the
+field's name, the value and what is allowed, before any model is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .damping import DAMPING_MATRICES, DAMPING_RULES
+from .jacobian import JACOBIANS
+from .linalg import SOLVERS
+
+__all__ = ["FORMS", "LMConfig"]
+
+FORMS = ("auto", "primal", "dual")
+
+
+def _positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"Invalid {name}={value!r}: must be a finite number > 0.")
+
+
+def _nonnegative(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"Invalid {name}={value!r}: must be a finite number >= 0.")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"Unknown {name}={value!r}; valid choices are {choices}.")
+
+
+def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1.")
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Every setting of :class:`~secondorder.lm.LevenbergMarquardt`.
+
+    Attributes:
+        lr: scales each update ``δ`` (1 is the plain LM step).
+        damping: initial λ.
+        damping_rule: ``"nielsen"`` (gain-ratio rule) or ``"multiplicative"``.
+        damping_up, damping_down: factors of the multiplicative rule.
+        damping_matrix: ``"marquardt"`` (diag JᵀJ), ``"identity"`` or ``"more"``.
+        damping_min, damping_max: bounds on λ; reaching the maximum ends training.
+        jacobian: ``"auto"``, ``"reverse"``, ``"forward"``, ``"batch_reverse"``,
+            ``"batch_forward"`` (see :mod:`secondorder.jacobian`).
+        solver: ``"auto"``, ``"cholesky"``, ``"eigh"``, ``"qr"``, ``"cg"``.
+        form: ``"auto"`` (dual when residuals < parameters), ``"primal"``, ``"dual"``.
+        max_attempts: attempts (λ values) per step before the step gives up.
+        slice_size: samples per Jacobian slice; ``None`` follows ``memory_budget``.
+        memory_budget: bytes a Jacobian slice may take when ``slice_size`` is None.
+        geodesic: add geodesic acceleration (Transtrum & Sethna).
+        geodesic_alpha: largest accepted ``2‖a‖/‖v‖``.
+        min_gain_ratio: smallest gain ratio ρ of an accepted step.
+        ftol, xtol, gtol: termination tolerances with scipy's meanings (0 disables).
+        gram_dtype: dtype in which ``JᵀJ`` is accumulated and factored (``None``: the
+            parameters' dtype); ``torch.float64`` steadies float32 models.
+        cg_rtol, cg_max_iter: tolerance and iteration cap of the CG solver.
+    """
+
+    lr: float = 1.0
+    damping: float = 1e-3
+    damping_rule: str = "nielsen"
+    damping_up: float = 10.0
+    damping_down: float = 0.1
+    damping_matrix: str = "marquardt"
+    damping_min: float = 1e-12
+    damping_max: float = 1e12
+    jacobian: str = "auto"
+    solver: str = "auto"
+    form: str = "auto"
+    max_attempts: int = 10
+    slice_size: int | None = None
+    memory_budget: int = 1 << 30
+    geodesic: bool = False
+    geodesic_alpha: float = 0.75
+    min_gain_ratio: float = 1e-4
+    ftol: float = 1e-8
+    xtol: float = 1e-8
+    gtol: float = 1e-8
+    gram_dtype: torch.dtype | None = None
+    cg_rtol: float = 1e-6
+    cg_max_iter: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        _nonnegative("damping", self.damping)
+        _choice("damping_rule", self.damping_rule, DAMPING_RULES)
+        if not (isinstance(self.damping_up, (int, float)) and self.damping_up > 1
+                and math.isfinite(self.damping_up)):
+            raise ValueError(f"Invalid damping_up={self.damping_up!r}: must be a finite number > 1.")
+        if not (isinstance(self.damping_down, (int, float)) and 0 < self.damping_down < 1):
+            raise ValueError(f"Invalid damping_down={self.damping_down!r}: must be in (0, 1).")
+        _choice("damping_matrix", self.damping_matrix, DAMPING_MATRICES)
+        _positive("damping_min", self.damping_min)
+        _positive("damping_max", self.damping_max)
+        if self.damping_min >= self.damping_max:
+            raise ValueError(
+                f"Invalid damping_min={self.damping_min!r} >= damping_max={self.damping_max!r}."
+            )
+        _choice("jacobian", self.jacobian, JACOBIANS)
+        _choice("solver", self.solver, SOLVERS)
+        _choice("form", self.form, FORMS)
+        if self.solver == "cg" and self.form == "dual":
+            raise ValueError("Invalid solver='cg' with form='dual': CG solves the primal form.")
+        _positive_int("max_attempts", self.max_attempts)
+        _positive_int("slice_size", self.slice_size, allow_none=True)
+        _positive_int("memory_budget", self.memory_budget)
+        if not isinstance(self.geodesic, bool):
+            raise TypeError(f"geodesic must be a bool, got {self.geodesic!r}")
+        _positive("geodesic_alpha", self.geodesic_alpha)
+        if not (0.0 <= self.min_gain_ratio < 1.0):
+            raise ValueError(f"Invalid min_gain_ratio={self.min_gain_ratio!r}: must be in [0, 1).")
+        for name in ("ftol", "xtol", "gtol"):
+            _nonnegative(name, getattr(self, name))
+        if self.gram_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(
+                f"Invalid gram_dtype={self.gram_dtype!r}: must be None, torch.float32 or "
+                "torch.float64."
+            )
+        _positive("cg_rtol", self.cg_rtol)
+        _positive_int("cg_max_iter", self.cg_max_iter, allow_none=True)

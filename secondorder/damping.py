@@ -1,0 +1,188 @@
+"""Damping: how λ moves between attempts, and the matrix ``D`` it multiplies.
+
+The damped normal equations are ``(JᵀJ + λD) δ = -Jᵀr``.  Large λ gives a short step
+along the scaled gradient ``-D⁻¹Jᵀr``; small λ gives the Gauss-Newton step.  A *rule*
+decides how λ changes after an attempt, from the gain ratio
+
+    ρ = (actual reduction of ½‖r‖²) / (reduction predicted by the linear model),
+
+and a *damping matrix* decides the shape of the trust region.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DAMPING_MATRICES",
+    "DAMPING_RULES",
+    "DampingMatrix",
+    "DampingRule",
+    "DampingState",
+    "IdentityMatrix",
+    "MarquardtMatrix",
+    "MoreMatrix",
+    "MultiplicativeRule",
+    "NielsenRule",
+    "make_damping_matrix",
+    "make_damping_rule",
+]
+
+
+@dataclass
+class DampingState:
+    """The mutable part of damping: λ, Nielsen's growth factor ν, Moré's running scale."""
+
+    damping: float
+    nu: float = 2.0
+    scale: Tensor | None = None
+
+
+class DampingRule:
+    """Base class: update λ after an accepted or a rejected attempt."""
+
+    name = ""
+
+    def accept(self, state: DampingState, rho: float) -> None:
+        """Update ``state`` after an attempt with gain ratio ``rho`` was accepted."""
+        raise NotImplementedError
+
+    def reject(self, state: DampingState) -> None:
+        """Update ``state`` after an attempt was rejected (or failed numerically)."""
+        raise NotImplementedError
+
+
+class NielsenRule(DampingRule):
+    """Nielsen's gain-ratio rule (Nielsen 1999; Madsen, Nielsen & Tingleff 2004).
+
+    On success ``λ ← λ·max(1/3, 1 - (2ρ - 1)³)`` and ``ν ← 2``: a step that matched
+    its model well (ρ near 1) shrinks λ by up to 3x, a barely useful one leaves it
+    almost unchanged.  On failure ``λ ← λ·ν`` and ``ν ← 2ν``, so consecutive failures
+    raise λ ever faster.  Smooth in ρ, it avoids the oscillation of fixed factors.
+    """
+
+    name = "nielsen"
+
+    def accept(self, state: DampingState, rho: float) -> None:  # noqa: D102
+        state.damping *= max(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3)
+        state.nu = 2.0
+
+    def reject(self, state: DampingState) -> None:  # noqa: D102
+        state.damping *= state.nu
+        state.nu *= 2.0
+
+
+class MultiplicativeRule(DampingRule):
+    """Fixed factors: ``λ ← λ·down`` on success, ``λ ← λ·up`` on failure (cuPyLMA's rule)."""
+
+    name = "multiplicative"
+
+    def __init__(self, up: float = 10.0, down: float = 0.1) -> None:
+        if not (up > 1.0 and math.isfinite(up)):
+            raise ValueError(f"damping_up must be a finite number > 1, got {up!r}")
+        if not (0.0 < down < 1.0):
+            raise ValueError(f"damping_down must be in (0, 1), got {down!r}")
+        self.up = float(up)
+        self.down = float(down)
+
+    def accept(self, state: DampingState, rho: float) -> None:  # noqa: D102
+        state.damping *= self.down
+
+    def reject(self, state: DampingState) -> None:  # noqa: D102
+        state.damping *= self.up
+
+
+DAMPING_RULES = ("nielsen", "multiplicative")
+
+
+def make_damping_rule(name: str, up: float = 10.0, down: float = 0.1) -> DampingRule:
+    """Build the damping rule called ``name`` (one of :data:`DAMPING_RULES`)."""
+    if name == "nielsen":
+        return NielsenRule()
+    if name == "multiplicative":
+        return MultiplicativeRule(up, down)
+    raise ValueError(f"Unknown damping_rule={name!r}; valid choices are {DAMPING_RULES}.")
+
+
+class DampingMatrix:
+    """Base class: the diagonal ``D`` of the damping term, from the column norms of J.
+
+    Every matrix has a floor, ``d ≥ floor·max(d)`` (and a tiny absolute floor), so a
+    zero column of J (a dead unit, an unused parameter) still gets positive damping and
+    ``JᵀJ + λD`` stays positive definite for every λ > 0.  Without it, Marquardt's
+    ``diag(JᵀJ)`` leaves such a system singular whatever λ is, and LM stalls.
+    """
+
+    name = ""
+
+    def __init__(self, floor: float = 1e-9) -> None:
+        self.floor = floor
+
+    def diagonal(self, col_sq: Tensor, state: DampingState) -> Tensor:
+        """Return ``D`` (a positive vector) for squared column norms ``col_sq``."""
+        raise NotImplementedError
+
+    def _floored(self, d: Tensor) -> Tensor:
+        top = d.max()
+        tiny = torch.finfo(d.dtype).tiny ** 0.5
+        if not bool(torch.isfinite(top)) or float(top) <= 0.0:
+            return torch.ones_like(d)
+        return torch.clamp(d, min=max(float(top) * self.floor, tiny))
+
+
+class IdentityMatrix(DampingMatrix):
+    """``D = I``: the original Levenberg damping; λ is then in units of ``JᵀJ``."""
+
+    name = "identity"
+
+    def diagonal(self, col_sq: Tensor, state: DampingState) -> Tensor:  # noqa: D102
+        return torch.ones_like(col_sq)
+
+
+class MarquardtMatrix(DampingMatrix):
+    """``D = diag(JᵀJ)`` (Marquardt 1963, Fletcher 1971), floored.
+
+    Invariant to a rescaling of each parameter, so λ is dimensionless; the usual choice
+    for neural networks whose layers have very different gradient scales.
+    """
+
+    name = "marquardt"
+
+    def diagonal(self, col_sq: Tensor, state: DampingState) -> Tensor:  # noqa: D102
+        return self._floored(col_sq)
+
+
+class MoreMatrix(DampingMatrix):
+    """Moré's scaling (MINPACK): the running maximum of ``diag(JᵀJ)`` over iterations.
+
+    Like Marquardt's, but a parameter whose column shrinks keeps the damping of its
+    largest seen scale, which makes the trust region steadier on curve-fitting
+    problems.  The running maximum lives in the optimizer's state.
+    """
+
+    name = "more"
+
+    def diagonal(self, col_sq: Tensor, state: DampingState) -> Tensor:  # noqa: D102
+        if state.scale is None or state.scale.shape != col_sq.shape:
+            state.scale = col_sq.clone()
+        else:
+            state.scale = torch.maximum(state.scale.to(col_sq), col_sq)
+        return self._floored(state.scale)
+
+
+DAMPING_MATRICES = ("identity", "marquardt", "more")
+
+
+def make_damping_matrix(name: str, floor: float = 1e-9) -> DampingMatrix:
+    """Build the damping matrix called ``name`` (one of :data:`DAMPING_MATRICES`)."""
+    if name == "identity":
+        return IdentityMatrix(floor)
+    if name == "marquardt":
+        return MarquardtMatrix(floor)
+    if name == "more":
+        return MoreMatrix(floor)
+    raise ValueError(f"Unknown damping_matrix={name!r}; valid choices are {DAMPING_MATRICES}.")

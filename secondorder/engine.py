@@ -1,0 +1,217 @@
+"""One Levenberg-Marquardt iteration, independent of where the residuals come from.
+
+The engine sees a :class:`Problem` (something that can linearise its residuals at a
+point and evaluate ``Σ r²`` at a trial point) and the parts chosen by the user: a
+linear solver, a damping rule and a damping matrix.  It owns the loop of attempts,
+the gain-ratio acceptance and the termination tests; the model optimizer
+(:class:`~secondorder.lm.LevenbergMarquardt`) and the functional
+:func:`~secondorder.least_squares.least_squares` are both thin drivers around
+:func:`iterate`.
+
+An attempt with damping λ solves ``(JᵀJ + λD) v = -Jᵀr``, optionally adds geodesic
+acceleration, scales by ``lr`` and evaluates the trial point.  It is accepted when the
+gain ratio
+
+    ρ = (Σr²(x) - Σr²(x + δ)) / (-2gᵀδ - ‖Jδ‖²)
+
+exceeds ``min_gain_ratio``; a step that raises the loss (ρ ≤ 0) is never kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .damping import DampingMatrix, DampingRule, DampingState
+from .linalg import Factorization, LinearSolver, NormalEquations
+
+__all__ = ["EngineConfig", "Outcome", "Problem", "iterate"]
+
+
+class Problem(Protocol):
+    """What the engine needs from a least-squares problem at the current batch."""
+
+    def loss_sum(self, x: Tensor) -> Tensor:
+        """``Σ r²`` at ``x`` over every residual (reduced over all shares), 0-d."""
+        ...
+
+    def second_directional(
+        self, x: Tensor, v: Tensor, system: NormalEquations
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(Jᵀr_vv, r_vv)`` with ``r_vv = Σᵢⱼ ∂²r/∂xᵢ∂xⱼ vᵢvⱼ`` (for geodesic steps).
+
+        The second element may be ``None`` when the solver does not need it.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the attempt loop and of the termination tests (validated upstream)."""
+
+    max_attempts: int = 10
+    min_gain_ratio: float = 1e-4
+    damping_min: float = 1e-12
+    damping_max: float = 1e12
+    ftol: float = 1e-8
+    xtol: float = 1e-8
+    gtol: float = 1e-8
+    geodesic: bool = False
+    geodesic_alpha: float = 0.75
+
+
+@dataclass
+class Outcome:
+    """What one iteration did.
+
+    ``status`` follows scipy.optimize.least_squares: 1 gtol, 2 ftol, 3 xtol, 4 ftol
+    and xtol; 0 means no convergence test fired.  ``stop`` is set when the iteration
+    cannot go on: attempts exhausted, λ at its maximum, or non-finite residuals.
+    """
+
+    x: Tensor
+    accepted: bool
+    loss_sum: float
+    loss_sum_before: float
+    attempts: int
+    status: int
+    reason: str
+    stop: bool
+    gain_ratio: float
+    step_norm: float
+    cg_iterations: int
+
+
+def _gtol_cosine(system: NormalEquations) -> float:
+    """MINPACK's gtol measure: max |cos| between a column of J and r."""
+    rnorm = math.sqrt(max(float(system.loss_sum), 0.0))
+    if rnorm == 0.0:
+        return 0.0
+    colnorm = system.col_sq.sqrt()
+    nz = colnorm > 0
+    if not bool(nz.any()):
+        return 0.0
+    return float((system.grad[nz].abs() / (colnorm[nz] * rnorm)).max())
+
+
+def _solve(
+    fact: Factorization, damping: float, b: Tensor, w: Tensor | None, dtype: torch.dtype
+) -> Tensor | None:
+    delta = fact.solve(damping, b, w)
+    if delta is None or not bool(torch.isfinite(delta).all()):
+        return None
+    return delta.to(dtype)
+
+
+def iterate(
+    problem: Problem,
+    x: Tensor,
+    system: NormalEquations,
+    *,
+    solver: LinearSolver,
+    rule: DampingRule,
+    matrix: DampingMatrix,
+    state: DampingState,
+    config: EngineConfig,
+    lr: float = 1.0,
+    max_attempts: int | None = None,
+) -> Outcome:
+    """Run the attempts of one LM iteration from ``x``, linearised as ``system``.
+
+    ``state`` (λ, ν, Moré scale) is updated in place.  ``x`` is never modified; the
+    returned ``Outcome.x`` is a new tensor when a step was accepted.
+    """
+    loss0 = float(system.loss_sum)
+    cos = _gtol_cosine(system)
+    if cos <= config.gtol:
+        return Outcome(x, False, loss0, loss0, 0, 1, "gtol: the gradient is orthogonal "
+                       "to the residuals (max |cos| <= gtol)", True, 0.0, 0.0, 0)
+    d = matrix.diagonal(system.col_sq, state)
+    fact = solver.factor(system, d)
+    g = system.grad
+    r = system.residuals
+    w = None if r is None else -r
+    attempts_allowed = config.max_attempts if max_attempts is None else max_attempts
+    reason = "attempts exhausted without reducing the loss"
+    rho = 0.0
+    cg_iters = 0
+    attempt = 0
+    while attempt < attempts_allowed:
+        attempt += 1
+        lam = state.damping
+        v = _solve(fact, lam, -g, w, x.dtype)
+        cg_iters += fact.iterations
+        if v is None:
+            reason = f"linear solve failed at damping {lam:.3g}"
+            rule.reject(state)
+        else:
+            delta = v
+            ok = True
+            if config.geodesic:
+                b_vv, r_vv = problem.second_directional(x, v, system)
+                a = _solve(fact, lam, -b_vv, None if r_vv is None else -r_vv, x.dtype)
+                cg_iters += fact.iterations
+                sd = d.to(x.dtype).sqrt()
+                vnorm = float(torch.linalg.vector_norm(sd * v))
+                if a is None or vnorm == 0.0:
+                    ok = False
+                    reason = "geodesic acceleration could not be computed"
+                else:
+                    ratio = 2.0 * float(torch.linalg.vector_norm(sd * a)) / vnorm
+                    if ratio > config.geodesic_alpha:
+                        ok = False
+                        reason = f"geodesic acceleration too large (2|a|/|v| = {ratio:.3g})"
+                    else:
+                        delta = v + 0.5 * a
+            if ok:
+                delta = lr * delta
+                pred = float(-2.0 * torch.dot(g.to(delta.dtype), delta)
+                             - system.curvature(delta))
+                trial = problem.loss_sum(x + delta)
+                loss1 = float(trial)
+                if not math.isfinite(loss1):
+                    reason = "non-finite residuals at the trial point"
+                    rule.reject(state)
+                else:
+                    actual = loss0 - loss1
+                    rho = actual / pred if pred > 0 else -math.inf
+                    if actual > 0 and rho > config.min_gain_ratio:
+                        rule.accept(state, rho)
+                        state.damping = max(state.damping, config.damping_min)
+                        x_new = x + delta
+                        status = 0
+                        ftol_hit = (
+                            actual <= config.ftol * loss0
+                            and pred <= config.ftol * loss0
+                            and rho <= 2.0
+                        )
+                        step_norm = float(torch.linalg.vector_norm(delta))
+                        xnorm = float(torch.linalg.vector_norm(x_new))
+                        xtol_hit = step_norm <= config.xtol * (config.xtol + xnorm)
+                        if ftol_hit and xtol_hit:
+                            status, why = 4, "ftol and xtol"
+                        elif ftol_hit:
+                            status, why = 2, "ftol: relative reduction of the loss below ftol"
+                        elif xtol_hit:
+                            status, why = 3, "xtol: relative step size below xtol"
+                        else:
+                            why = "step accepted"
+                        return Outcome(x_new, True, loss1, loss0, attempt, status, why,
+                                       status > 0, rho, step_norm, cg_iters)
+                    reason = f"gain ratio {rho:.3g} too small at damping {lam:.3g}"
+                    rule.reject(state)
+            else:
+                rule.reject(state)
+        state.damping = max(state.damping, config.damping_min)
+        if state.damping > config.damping_max:
+            state.damping = config.damping_max
+            return Outcome(x, False, loss0, loss0, attempt, 0,
+                           f"damping reached its maximum {config.damping_max:.3g}; "
+                           f"last attempt: {reason}", True, rho, 0.0, cg_iters)
+    return Outcome(x, False, loss0, loss0, attempt, 0,
+                   f"{attempts_allowed} attempts exhausted; last: {reason}", True, rho, 0.0,
+                   cg_iters)

@@ -1,0 +1,687 @@
+"""The Levenberg-Marquardt optimizer for PyTorch models.
+
+:class:`LevenbergMarquardt` wires the parts together: a Jacobian strategy computes the
+rows of J slice by slice, the slices are reduced into one :class:`NormalEquations`
+record (through a reducer, the only stage that would talk to other processes), a
+linear solver factors it once, and :func:`secondorder.engine.iterate` runs the damped
+attempts.  Trial points are evaluated functionally, with the parameters passed to
+:func:`torch.func.functional_call`; the model's own parameters are written once, when
+a step is accepted, so an exception anywhere in a step leaves them untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jvp, vjp
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .config import LMConfig
+from .damping import DampingState, make_damping_matrix, make_damping_rule
+from .distributed import LocalReducer, Reducer
+from .engine import EngineConfig, iterate
+from .jacobian import JacobianStrategy, ResidualProgram, make_jacobian
+from .linalg import LinearSolver, NormalEquations, make_solver
+from .residuals import ModelResidual, mse
+
+__all__ = ["LevenbergMarquardt", "StepInfo"]
+
+STATE_FORMAT_VERSION = 1
+
+
+@dataclass
+class StepInfo:
+    """What :meth:`LevenbergMarquardt.step` did.
+
+    Attributes:
+        loss: mean of squared residual entries at the parameters the step ends with.
+        loss_before: the same at the parameters the step started from.
+        accepted: whether an update was applied to the model.
+        terminated: whether the optimizer considers training finished; ``reason``
+            says why (a convergence test, λ at its maximum, attempts exhausted).
+        reason: a human-readable account of how the step ended.
+        damping: λ after the step.
+        attempts: number of λ values tried.
+        gain_ratio: ρ of the last attempt.
+        step_norm: ‖δ‖ of the applied update (0 if none).
+        status: scipy-style code: 1 gtol, 2 ftol, 3 xtol, 4 ftol and xtol, else 0.
+        jacobian, solver, form: the strategy, solver and form that were used.
+        cg_iterations: CG iterations spent in the step (CG solver only).
+        timings: seconds per stage (``"linearize"``, ``"solve_and_trials"``, ``"total"``).
+    """
+
+    loss: float
+    loss_before: float
+    accepted: bool
+    terminated: bool
+    reason: str
+    damping: float
+    attempts: int
+    gain_ratio: float
+    step_norm: float
+    status: int
+    jacobian: str
+    solver: str
+    form: str
+    cg_iterations: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _batch_size(tree: Any, name: str) -> int:
+    leaves, _ = tree_flatten(tree)
+    tensors = [t for t in leaves if isinstance(t, Tensor)]
+    if not tensors:
+        raise TypeError(f"{name} must be a tensor or a tuple/list/dict of tensors, got {tree!r}")
+    sizes = {t.shape[0] if t.ndim > 0 else None for t in tensors}
+    if None in sizes:
+        raise ValueError(f"{name} must have a batch dimension; got a 0-d tensor")
+    if len(sizes) != 1:
+        raise ValueError(f"all tensors in {name} must share the batch size, got sizes {sorted(sizes)}")
+    return int(sizes.pop())
+
+
+def _slice(tree: Any, start: int, stop: int) -> Any:
+    return tree_map(lambda t: t[start:stop] if isinstance(t, Tensor) else t, tree)
+
+
+def _unsqueeze(tree: Any) -> Any:
+    return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, tree)
+
+
+def _interacting_modules(model: nn.Module) -> list[str]:
+    """Modules in training mode whose output for a sample depends on other samples."""
+    return [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+
+
+@contextlib.contextmanager
+def _frozen_batch_stats(model: nn.Module) -> Iterator[None]:
+    """Evaluate BatchNorm with batch statistics but without touching its running stats.
+
+    The optimizer evaluates the model many times per step (Jacobian, trials); those
+    evaluations must not each update the running statistics.  With
+    ``track_running_stats`` off, a BatchNorm in training mode normalises with the
+    batch's statistics (the same output) and leaves its buffers alone.
+    """
+    changed = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    for m in changed:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.track_running_stats = True
+
+
+class _ModelProblem:
+    """The residuals of ``residual_fn(model(inputs), targets)`` as functions of a flat x."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        residual_fn: Callable[..., Tensor] | ModelResidual,
+        names: list[str],
+        params: list[nn.Parameter],
+        reducer: Reducer,
+    ) -> None:
+        self.model = model
+        self.residual_fn = residual_fn
+        self.names = names
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.n = sum(self.numels)
+        self.reducer = reducer
+        self.coupled_residual = isinstance(residual_fn, ModelResidual)
+        self.program = ResidualProgram(
+            per_sample=None if self.coupled_residual else self._per_sample,
+            batch=self._batch,
+            order=tuple(names),
+        )
+        self.inputs: Any = None
+        self.targets: Any = None
+        self.batch_size = 0
+        self.slice_size = 1
+        self.strategy: JacobianStrategy = make_jacobian("reverse")
+        self.solver: LinearSolver = make_solver("cholesky")
+        self.form = "primal"
+        self.gram_dtype: torch.dtype | None = None
+        self.consts: dict[str, Tensor] = {}
+
+    # -- functional evaluation --------------------------------------------------------
+    def refresh_consts(self) -> None:
+        trainable = set(self.names)
+        consts = {k: v for k, v in self.model.named_parameters(remove_duplicate=False)
+                  if k not in trainable}
+        consts.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        # Tied copies of a trainable parameter are resolved by functional_call's tie_weights.
+        self.consts = {k: v for k, v in consts.items() if not any(v is p for p in self.params)}
+
+    def unflatten(self, x: Tensor) -> dict[str, Tensor]:
+        return {
+            name: chunk.view(shape)
+            for name, chunk, shape in zip(
+                self.names, torch.split(x, self.numels), self.shapes, strict=True
+            )
+        }
+
+    def _call(self, params: dict[str, Tensor], inputs: Any) -> Tensor:
+        out: Tensor = functional_call(self.model, (params, self.consts), (inputs,))
+        return out
+
+    def _batch(self, params: dict[str, Tensor], inputs: Any, targets: Any) -> Tensor:
+        if isinstance(self.residual_fn, ModelResidual):
+            r = self.residual_fn.fn(lambda z: self._call(params, z), inputs, targets)
+        else:
+            r = self.residual_fn(self._call(params, inputs), targets)
+        return r.reshape(-1)
+
+    def _per_sample(self, params: dict[str, Tensor], x: Any, y: Any) -> Tensor:
+        assert not isinstance(self.residual_fn, ModelResidual)
+        out = self._call(params, _unsqueeze(x))
+        r = self.residual_fn(out, _unsqueeze(y) if y is not None else None)
+        return r.reshape(-1)
+
+    def slices(self) -> Iterator[tuple[Any, Any]]:
+        if not self.strategy.per_sample:
+            # Samples interact (or the residual needs the model itself): never slice.
+            yield self.inputs, self.targets
+            return
+        step = self.slice_size
+        for start in range(0, self.batch_size, step):
+            stop = min(start + step, self.batch_size)
+            targets = _slice(self.targets, start, stop) if self.targets is not None else None
+            yield _slice(self.inputs, start, stop), targets
+
+    # -- the Problem protocol -----------------------------------------------------------
+    def linearize(self, x: Tensor) -> NormalEquations:
+        params = self.unflatten(x)
+        n = self.n
+        wide = torch.float64
+        loss_sum = torch.zeros((), dtype=wide, device=x.device)
+        grad = torch.zeros(n, dtype=x.dtype, device=x.device)
+        col_sq = torch.zeros(n, dtype=x.dtype, device=x.device)
+        gram: Tensor | None = None
+        jacs: list[Tensor] = []
+        res: list[Tensor] = []
+        count = 0
+        dual = self.form == "dual"
+        store = dual or self.solver.needs_jacobian
+        with _frozen_batch_stats(self.model):
+            for inputs, targets in self.slices():
+                J, r = self.strategy(self.program, params, inputs, targets)
+                J = J.detach()
+                r = r.detach()
+                count += r.numel()
+                loss_sum += torch.dot(r.to(wide), r.to(wide))
+                grad += J.T @ r
+                col_sq += (J * J).sum(0)
+                if store:
+                    jacs.append(J)
+                    res.append(r)
+                else:
+                    gdt = self.gram_dtype or J.dtype
+                    Jg = J.to(gdt)
+                    gram = Jg.T @ Jg if gram is None else gram.addmm_(Jg.T, Jg)
+        parts = [loss_sum, grad, col_sq] + ([gram] if gram is not None else [])
+        self.reducer.sum_(parts)
+        return NormalEquations(
+            loss_sum=loss_sum,
+            count=count,
+            grad=grad,
+            col_sq=col_sq,
+            gram=gram,
+            jac=torch.cat(jacs) if store else None,
+            residuals=torch.cat(res) if store else None,
+            dual=dual,
+        )
+
+    def loss_sum(self, x: Tensor) -> Tensor:
+        params = self.unflatten(x)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        with torch.no_grad(), _frozen_batch_stats(self.model):
+            for inputs, targets in self.slices():
+                r = self._batch(params, inputs, targets).to(torch.float64)
+                total += torch.dot(r, r)
+        self.reducer.sum_([total])
+        return total
+
+    def second_directional(
+        self, x: Tensor, v: Tensor, system: NormalEquations
+    ) -> tuple[Tensor, Tensor | None]:
+        params = self.unflatten(x)
+        tangent = self.unflatten(v)
+        rvvs: list[Tensor] = []
+        b = torch.zeros_like(x)
+        with _frozen_batch_stats(self.model):
+            for inputs, targets in self.slices():
+
+                def f(p: dict[str, Tensor], inputs: Any = inputs, targets: Any = targets) -> Tensor:
+                    return self._batch(p, inputs, targets)
+
+                def jv(p: dict[str, Tensor], f: Callable[..., Tensor] = f) -> Tensor:
+                    out: Tensor = jvp(f, (p,), (tangent,))[1]
+                    return out
+
+                rvv = jvp(jv, (params,), (tangent,))[1].detach()
+                rvvs.append(rvv)
+                if system.jac is None:
+                    (ct,) = vjp(f, params)[1](rvv)
+                    b += torch.cat([ct[name].reshape(-1) for name in self.names]).detach()
+        w = torch.cat(rvvs)
+        if system.jac is not None:
+            b = system.jac.T @ w.to(system.jac.dtype)
+        self.reducer.sum_([b])
+        return b, w
+
+
+class LevenbergMarquardt(torch.optim.Optimizer):
+    r"""Levenberg-Marquardt for PyTorch models, with an explicit Jacobian.
+
+    Each :meth:`step` minimises ``½‖r‖²`` over the batch it is given, where
+    ``r = residual_fn(model(inputs), targets)`` flattened, by solving the damped
+    normal equations
+
+    .. math:: (J^\top J + \lambda D)\,\delta = -J^\top r
+
+    (or, with fewer residuals than parameters, the equivalent dual system
+    ``δ = -D⁻¹Jᵀ(JD⁻¹Jᵀ + λI)⁻¹r``), evaluating the trial point, and accepting it when
+    the gain ratio ρ of actual to predicted reduction is positive.  Rejected attempts
+    raise λ and solve again from the same factorisation where the solver allows.
+    Larger λ gives shorter steps along the scaled gradient; smaller λ gives
+    Gauss-Newton steps, which converge much faster than first-order methods near a
+    minimum of a small or medium model.
+
+    Args:
+        model: the :class:`torch.nn.Module` to train; its trainable parameters
+            (``requires_grad=True``) are the unknowns.
+        residual_fn: ``(outputs, targets) -> residuals`` (first dimension the batch),
+            one of :mod:`secondorder.residuals`, or a
+            :class:`~secondorder.residuals.ModelResidual` for residuals that need the
+            model itself (physics-informed losses).  Default :func:`~.residuals.mse`.
+        lr: scales every update.  1 is the LM step; below 1 damps it further.
+        damping: the initial λ.
+        devices: reserved for several devices in one process; only ``None`` now.
+        reducer: how partial sums meet (default: a single process).
+        **options: every other field of :class:`~secondorder.config.LMConfig`
+            (``damping_rule``, ``damping_matrix``, ``jacobian``, ``solver``, ``form``,
+            ``max_attempts``, ``slice_size``, ``geodesic``, ``ftol``/``xtol``/``gtol``,
+            ``gram_dtype``, ...).
+
+    Example::
+
+        opt = so.LevenbergMarquardt(model, so.residuals.mse)
+        for _ in range(100):
+            info = opt.step(x, y)
+            if info.terminated:
+                break
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        residual_fn: Callable[..., Tensor] | ModelResidual = mse,
+        *,
+        lr: float = 1.0,
+        damping: float = 1e-3,
+        reducer: Reducer | None = None,
+        devices: list[Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r}")
+        if not (callable(residual_fn) or isinstance(residual_fn, ModelResidual)):
+            raise TypeError(f"residual_fn must be callable, got {residual_fn!r}")
+        if devices is not None:
+            raise NotImplementedError(
+                f"devices={devices!r}: several devices in one process are not supported yet; "
+                "pass devices=None and move the model to the device you want."
+            )
+        try:
+            self.config = LMConfig(lr=lr, damping=damping, **options)
+        except TypeError as exc:
+            if "unexpected keyword" in str(exc):
+                valid = sorted(LMConfig.__dataclass_fields__)
+                raise TypeError(f"{exc}; valid options are {valid}") from None
+            raise
+        named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                f"model {type(model).__name__} has no trainable parameters "
+                "(none with requires_grad=True)"
+            )
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise TypeError(
+                f"model parameters must share one floating dtype, got {sorted(map(str, dtypes))}"
+            )
+        devs = {p.device for _, p in named}
+        if len(devs) != 1:
+            raise ValueError(f"model parameters must be on one device, got {sorted(map(str, devs))}")
+        super().__init__([p for _, p in named], {"lr": lr})
+        self.model = model
+        self.residual_fn = residual_fn
+        self.reducer = reducer if reducer is not None else LocalReducer()
+        self._problem = _ModelProblem(
+            model, residual_fn, [k for k, _ in named], [p for _, p in named], self.reducer
+        )
+        cfg = self.config
+        self._rule = make_damping_rule(cfg.damping_rule, cfg.damping_up, cfg.damping_down)
+        self._matrix = make_damping_matrix(cfg.damping_matrix)
+        self._damping = DampingState(damping=float(damping))
+        self._engine = EngineConfig(
+            max_attempts=cfg.max_attempts,
+            min_gain_ratio=cfg.min_gain_ratio,
+            damping_min=cfg.damping_min,
+            damping_max=cfg.damping_max,
+            ftol=cfg.ftol,
+            xtol=cfg.xtol,
+            gtol=cfg.gtol,
+            geodesic=cfg.geodesic,
+            geodesic_alpha=cfg.geodesic_alpha,
+        )
+        self._steps = 0
+        #: Jacobian strategies chosen by ``jacobian="auto"``, per input signature.
+        self._auto_cache: dict[str, str] = {}
+        self._validated: set[str] = set()
+
+    # -- properties --------------------------------------------------------------------
+    @property
+    def damping(self) -> float:
+        """The current λ."""
+        return self._damping.damping
+
+    @property
+    def num_parameters(self) -> int:
+        """Number of trainable scalars (columns of J)."""
+        return self._problem.n
+
+    # -- step ----------------------------------------------------------------------------
+    def _validate(self, inputs: Any, targets: Any) -> tuple[int, int]:
+        """Check the batch before anything changes; return (batch size, residual count)."""
+        batch = _batch_size(inputs, "inputs")
+        if batch == 0:
+            raise ValueError("inputs is an empty batch (batch size 0)")
+        if targets is not None:
+            tb = _batch_size(targets, "targets")
+            if tb != batch and not self._problem.coupled_residual:
+                raise ValueError(
+                    f"inputs and targets batch sizes differ: inputs has {batch}, targets has {tb}"
+                )
+        p0 = self._problem.params[0]
+        for leaf in tree_flatten(inputs)[0]:
+            if isinstance(leaf, Tensor):
+                if leaf.is_floating_point() and leaf.dtype != p0.dtype:
+                    raise TypeError(
+                        f"inputs dtype {leaf.dtype} does not match the model's parameter dtype "
+                        f"{p0.dtype}; convert one of them"
+                    )
+                if leaf.device != p0.device:
+                    raise ValueError(
+                        f"inputs are on {leaf.device} but the model is on {p0.device}"
+                    )
+        probe = batch if self._problem.coupled_residual else min(batch, 2)
+        sub_in = _slice(inputs, 0, probe)
+        sub_t = None if targets is None else _slice(targets, 0, probe)
+        if self._problem.coupled_residual:
+            sub_t = targets
+        params = {k: p.detach() for k, p in zip(self._problem.names, self._problem.params,
+                                                 strict=True)}
+        self._problem.refresh_consts()
+        with torch.no_grad(), _frozen_batch_stats(self.model):
+            if self._problem.coupled_residual:
+                r = self._problem._batch(params, sub_in, sub_t)
+                out = r
+            else:
+                out = self.residual_fn(self._problem._call(params, sub_in), sub_t)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"residual_fn must return a tensor, got {type(out).__name__}")
+        if not out.is_floating_point():
+            raise TypeError(f"residual_fn must return a floating tensor, got dtype {out.dtype}")
+        if self._problem.coupled_residual:
+            if out.numel() == 0:
+                raise ValueError("residual_fn returned no residuals")
+            return batch, out.numel()
+        if out.ndim == 0 or out.shape[0] != probe:
+            raise ValueError(
+                f"residual_fn must return residuals whose first dimension is the batch "
+                f"({probe} for this probe), got shape {tuple(out.shape)}"
+            )
+        per_sample = out.numel() // probe
+        if per_sample == 0:
+            raise ValueError("residual_fn returned no residuals")
+        return batch, per_sample * batch
+
+    def _signature(self, inputs: Any, m: int) -> str:
+        leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)]
+        shapes = ",".join(str(tuple(t.shape[1:])) + str(t.dtype) for t in leaves)
+        return f"{shapes}|rows_per_sample={m // max(1, leaves[0].shape[0])}"
+
+    def _choose_jacobian(self, batch: int, m: int, signature: str) -> str:
+        cfg, n = self.config, self._problem.n
+        interacting = _interacting_modules(self.model)
+        if cfg.jacobian != "auto":
+            if cfg.jacobian in ("reverse", "forward"):
+                if self._problem.coupled_residual:
+                    raise ValueError(
+                        f"jacobian={cfg.jacobian!r} needs per-sample residuals, but residual_fn "
+                        "is a ModelResidual; use 'batch_reverse', 'batch_forward' or 'auto'"
+                    )
+                if interacting:
+                    raise ValueError(
+                        f"jacobian={cfg.jacobian!r} would compute a wrong per-sample Jacobian: "
+                        f"modules {interacting} mix samples in training mode (BatchNorm); use "
+                        "'batch_reverse', 'batch_forward' or 'auto', or call model.eval()"
+                    )
+            return cfg.jacobian
+        if self._problem.coupled_residual or interacting:
+            return "batch_reverse" if m <= n else "batch_forward"
+        if signature in self._auto_cache:
+            return self._auto_cache[signature]
+        k = max(1, m // batch)
+        if 4 * k <= n:
+            choice = "reverse"
+        elif k >= 4 * n:
+            choice = "forward"
+        else:
+            choice = self._probe_jacobian(batch)
+        self._auto_cache[signature] = choice
+        return choice
+
+    def _probe_jacobian(self, batch: int) -> str:
+        """Time both per-sample modes on a small slice and keep the faster."""
+        prob = self._problem
+        params = {k: p.detach() for k, p in zip(prob.names, prob.params, strict=True)}
+        size = min(batch, 64)
+        inputs = _slice(prob.inputs, 0, size)
+        targets = None if prob.targets is None else _slice(prob.targets, 0, size)
+        best, best_t = "reverse", float("inf")
+        with _frozen_batch_stats(self.model):
+            for name in ("reverse", "forward"):
+                strategy = make_jacobian(name)
+                strategy(prob.program, params, inputs, targets)  # warm-up
+                t0 = time.perf_counter()
+                strategy(prob.program, params, inputs, targets)
+                elapsed = time.perf_counter() - t0
+                if elapsed < best_t:
+                    best, best_t = name, elapsed
+        return best
+
+    def _configure(self, batch: int, m: int, inputs: Any) -> None:
+        cfg, prob, n = self.config, self._problem, self._problem.n
+        dual = cfg.form == "dual" or (cfg.form == "auto" and m < n and cfg.solver != "cg")
+        solver = cfg.solver
+        if solver == "auto":
+            solver = "cholesky" if (m if dual else n) <= 8192 else "cg"
+            if solver == "cg" and dual:
+                dual = False
+        prob.form = "dual" if dual else "primal"
+        prob.gram_dtype = cfg.gram_dtype
+        prob.solver = make_solver(solver, cfg.gram_dtype, cfg.cg_rtol, cfg.cg_max_iter)
+        name = self._choose_jacobian(batch, m, self._signature(inputs, m))
+        k = max(1, m // batch)
+        if cfg.slice_size is not None:
+            prob.slice_size = cfg.slice_size
+        else:
+            itemsize = prob.params[0].element_size()
+            prob.slice_size = max(1, cfg.memory_budget // (3 * k * n * itemsize))
+        chunk = cfg.slice_size if name.startswith("batch") else None
+        prob.strategy = make_jacobian(name, chunk)
+
+    def step(  # type: ignore[override]
+        self, inputs: Any, targets: Any = None
+    ) -> StepInfo:
+        """Run one LM iteration on this batch and return what it did.
+
+        The model's parameters are written only if a step is accepted; if anything
+        raises during the step (the model, the residual function, an interrupt), they
+        are exactly as before.
+        """
+        t_start = time.perf_counter()
+        batch, m = self._validate(inputs, targets)
+        prob = self._problem
+        prob.inputs, prob.targets, prob.batch_size = inputs, targets, batch
+        self._configure(batch, m, inputs)
+        lr = float(self.param_groups[0]["lr"])
+        if not lr > 0:
+            raise ValueError(f"Invalid lr={lr!r} in param_groups[0]: must be > 0.")
+        with torch.no_grad():
+            x = torch.cat([p.detach().reshape(-1) for p in prob.params])
+        system = prob.linearize(x)
+        t_lin = time.perf_counter()
+        finite = bool(torch.isfinite(system.loss_sum)) and all(
+            bool(torch.isfinite(t).all())
+            for t in (system.grad, system.col_sq, system.gram, system.jac)
+            if t is not None
+        )
+        base = {
+            "jacobian": prob.strategy.name,
+            "solver": prob.solver.name,
+            "form": prob.form,
+        }
+        if not finite:
+            self._rule.reject(self._damping)
+            self._damping.damping = min(
+                max(self._damping.damping, self.config.damping_min), self.config.damping_max
+            )
+            self._steps += 1
+            loss = float(system.loss_sum) / max(system.count, 1)
+            return StepInfo(
+                loss=loss, loss_before=loss, accepted=False, terminated=False,
+                reason="non-finite residuals or Jacobian at the current parameters; "
+                "step rejected and damping raised",
+                damping=self._damping.damping, attempts=1, gain_ratio=float("nan"),
+                step_norm=0.0, status=0, **base,
+                timings={"linearize": t_lin - t_start, "total": time.perf_counter() - t_start},
+            )
+        out = iterate(
+            prob,
+            x,
+            system,
+            solver=prob.solver,
+            rule=self._rule,
+            matrix=self._matrix,
+            state=self._damping,
+            config=self._engine,
+            lr=lr,
+        )
+        t_iter = time.perf_counter()
+        if out.accepted:
+            self._write(out.x)
+            if _interacting_modules(self.model):
+                # One real forward updates BatchNorm running statistics at the new point.
+                with torch.no_grad():
+                    self.model(inputs)
+        self._steps += 1
+        count = max(system.count, 1)
+        return StepInfo(
+            loss=out.loss_sum / count,
+            loss_before=out.loss_sum_before / count,
+            accepted=out.accepted,
+            terminated=out.stop,
+            reason=out.reason,
+            damping=self._damping.damping,
+            attempts=out.attempts,
+            gain_ratio=out.gain_ratio,
+            step_norm=out.step_norm,
+            status=out.status,
+            cg_iterations=out.cg_iterations,
+            timings={
+                "linearize": t_lin - t_start,
+                "solve_and_trials": t_iter - t_lin,
+                "total": time.perf_counter() - t_start,
+            },
+            **base,
+        )
+
+    def _write(self, x: Tensor) -> None:
+        with torch.no_grad():
+            for p, chunk in zip(self._problem.params, torch.split(x, self._problem.numels),
+                                strict=True):
+                p.copy_(chunk.view_as(p))
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Everything needed to continue: λ, ν, Moré scale, step count, settings.
+
+        Holds only tensors, numbers, strings, lists and dicts, so it loads with
+        ``torch.load(..., weights_only=True)``.
+        """
+        cfg = asdict(self.config)
+        cfg["gram_dtype"] = None if self.config.gram_dtype is None else str(self.config.gram_dtype)
+        scale = self._damping.scale
+        return {
+            "format_version": STATE_FORMAT_VERSION,
+            "num_parameters": self._problem.n,
+            "parameter_shapes": [list(s) for s in self._problem.shapes],
+            "damping": self._damping.damping,
+            "nu": self._damping.nu,
+            "scale": None if scale is None else scale.clone(),
+            "steps": self._steps,
+            "lr": [float(g["lr"]) for g in self.param_groups],
+            "auto_jacobian": dict(self._auto_cache),
+            "config": cfg,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore a :meth:`state_dict`; refuse one from another model or a newer format."""
+        if not isinstance(state_dict, dict) or "format_version" not in state_dict:
+            raise ValueError("state_dict is not a LevenbergMarquardt state dict (no format_version)")
+        version = state_dict["format_version"]
+        if version != STATE_FORMAT_VERSION:
+            raise ValueError(
+                f"state_dict has format_version={version!r}; this secondorder reads "
+                f"version {STATE_FORMAT_VERSION}"
+            )
+        n = state_dict["num_parameters"]
+        shapes = [list(s) for s in self._problem.shapes]
+        if n != self._problem.n or state_dict["parameter_shapes"] != shapes:
+            raise ValueError(
+                f"state_dict is for a model with {n} parameters of shapes "
+                f"{state_dict['parameter_shapes']}, but this optimizer has {self._problem.n} "
+                f"of shapes {shapes}"
+            )
+        scale = state_dict["scale"]
+        p0 = self._problem.params[0]
+        self._damping = DampingState(
+            damping=float(state_dict["damping"]),
+            nu=float(state_dict["nu"]),
+            scale=None if scale is None else scale.to(device=p0.device, dtype=p0.dtype),
+        )
+        self._steps = int(state_dict["steps"])
+        for group, lr in zip(self.param_groups, state_dict["lr"], strict=True):
+            group["lr"] = lr
+        self._auto_cache = dict(state_dict["auto_jacobian"])

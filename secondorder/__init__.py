@@ -7,6 +7,7 @@ counterpart for fitting the parameters of a model function.
 
 from . import damping, jacobian, linalg, residuals
 from .config import LMConfig
+from .least_squares import OptimizeResult, least_squares
 from .lm import LevenbergMarquardt, StepInfo
 from .residuals import ModelResidual
 
@@ -14,9 +15,11 @@ __all__ = [
     "LMConfig",
     "LevenbergMarquardt",
     "ModelResidual",
+    "OptimizeResult",
     "StepInfo",
     "damping",
     "jacobian",
+    "least_squares",
     "linalg",
     "residuals",
 ]

@@ -101,9 +101,14 @@ class LMConfig:
         _positive("lr", self.lr)
         _nonnegative("damping", self.damping)
         _choice("damping_rule", self.damping_rule, DAMPING_RULES)
-        if not (isinstance(self.damping_up, (int, float)) and self.damping_up > 1
-                and math.isfinite(self.damping_up)):
-            raise ValueError(f"Invalid damping_up={self.damping_up!r}: must be a finite number > 1.")
+        if not (
+            isinstance(self.damping_up, (int, float))
+            and self.damping_up > 1
+            and math.isfinite(self.damping_up)
+        ):
+            raise ValueError(
+                f"Invalid damping_up={self.damping_up!r}: must be a finite number > 1."
+            )
         if not (isinstance(self.damping_down, (int, float)) and 0 < self.damping_down < 1):
             raise ValueError(f"Invalid damping_down={self.damping_down!r}: must be in (0, 1).")
         _choice("damping_matrix", self.damping_matrix, DAMPING_MATRICES)

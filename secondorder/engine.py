@@ -98,6 +98,27 @@ def _gtol_cosine(system: NormalEquations) -> float:
     return float((system.grad[nz].abs() / (colnorm[nz] * rnorm)).max())
 
 
+def _convergence(
+    config: EngineConfig,
+    loss0: float,
+    actual: float,
+    pred: float,
+    rho: float,
+    step_norm: float,
+    xnorm: float,
+) -> tuple[int, str]:
+    """Scipy's ftol/xtol tests for one evaluated attempt: ``(status, reason)``."""
+    ftol_hit = abs(actual) <= config.ftol * loss0 and pred <= config.ftol * loss0 and rho <= 2.0
+    xtol_hit = step_norm <= config.xtol * (config.xtol + xnorm)
+    if ftol_hit and xtol_hit:
+        return 4, "ftol and xtol: both the loss reduction and the step are below tolerance"
+    if ftol_hit:
+        return 2, "ftol: relative reduction of the loss below ftol"
+    if xtol_hit:
+        return 3, "xtol: relative step size below xtol"
+    return 0, ""
+
+
 def _solve(
     fact: Factorization, damping: float, b: Tensor, w: Tensor | None, dtype: torch.dtype
 ) -> Tensor | None:
@@ -128,9 +149,20 @@ def iterate(
     loss0 = float(system.loss_sum)
     cos = _gtol_cosine(system)
     if cos <= config.gtol:
-        return Outcome(x, False, loss0, loss0, 0, 1, "gtol: the gradient is orthogonal "
-                       "to the residuals (max |cos| <= gtol)", True, 0.0, 0.0, 0)
-    d = matrix.diagonal(system.col_sq, state)
+        return Outcome(
+            x,
+            False,
+            loss0,
+            loss0,
+            0,
+            1,
+            "gtol: the gradient is orthogonal to the residuals (max |cos| <= gtol)",
+            True,
+            0.0,
+            0.0,
+            0,
+        )
+    d = matrix.diagonal(system.col_sq if system.scale_sq is None else system.scale_sq, state)
     fact = solver.factor(system, d)
     g = system.grad
     r = system.residuals
@@ -169,8 +201,7 @@ def iterate(
                         delta = v + 0.5 * a
             if ok:
                 delta = lr * delta
-                pred = float(-2.0 * torch.dot(g.to(delta.dtype), delta)
-                             - system.curvature(delta))
+                pred = float(-2.0 * torch.dot(g.to(delta.dtype), delta) - system.curvature(delta))
                 trial = problem.loss_sum(x + delta)
                 loss1 = float(trial)
                 if not math.isfinite(loss1):
@@ -179,39 +210,71 @@ def iterate(
                 else:
                     actual = loss0 - loss1
                     rho = actual / pred if pred > 0 else -math.inf
-                    if actual > 0 and rho > config.min_gain_ratio:
+                    accepted = actual > 0 and rho > config.min_gain_ratio
+                    x_new = x + delta if accepted else x
+                    step_norm = float(torch.linalg.vector_norm(delta))
+                    status, why = _convergence(
+                        config,
+                        loss0,
+                        actual,
+                        pred,
+                        rho,
+                        step_norm,
+                        float(torch.linalg.vector_norm(x_new)),
+                    )
+                    if accepted:
                         rule.accept(state, rho)
                         state.damping = max(state.damping, config.damping_min)
-                        x_new = x + delta
-                        status = 0
-                        ftol_hit = (
-                            actual <= config.ftol * loss0
-                            and pred <= config.ftol * loss0
-                            and rho <= 2.0
+                        return Outcome(
+                            x_new,
+                            True,
+                            loss1,
+                            loss0,
+                            attempt,
+                            status,
+                            why or "step accepted",
+                            status > 0,
+                            rho,
+                            step_norm,
+                            cg_iters,
                         )
-                        step_norm = float(torch.linalg.vector_norm(delta))
-                        xnorm = float(torch.linalg.vector_norm(x_new))
-                        xtol_hit = step_norm <= config.xtol * (config.xtol + xnorm)
-                        if ftol_hit and xtol_hit:
-                            status, why = 4, "ftol and xtol"
-                        elif ftol_hit:
-                            status, why = 2, "ftol: relative reduction of the loss below ftol"
-                        elif xtol_hit:
-                            status, why = 3, "xtol: relative step size below xtol"
-                        else:
-                            why = "step accepted"
-                        return Outcome(x_new, True, loss1, loss0, attempt, status, why,
-                                       status > 0, rho, step_norm, cg_iters)
-                    reason = f"gain ratio {rho:.3g} too small at damping {lam:.3g}"
                     rule.reject(state)
+                    if status > 0:
+                        # MINPACK tests convergence after every attempt: a rejected step
+                        # that is already below xtol, or whose reductions are below ftol,
+                        # means the current point is the answer to that precision.
+                        return Outcome(
+                            x, False, loss0, loss0, attempt, status, why, True, rho, 0.0, cg_iters
+                        )
+                    reason = f"gain ratio {rho:.3g} too small at damping {lam:.3g}"
             else:
                 rule.reject(state)
         state.damping = max(state.damping, config.damping_min)
         if state.damping > config.damping_max:
             state.damping = config.damping_max
-            return Outcome(x, False, loss0, loss0, attempt, 0,
-                           f"damping reached its maximum {config.damping_max:.3g}; "
-                           f"last attempt: {reason}", True, rho, 0.0, cg_iters)
-    return Outcome(x, False, loss0, loss0, attempt, 0,
-                   f"{attempts_allowed} attempts exhausted; last: {reason}", True, rho, 0.0,
-                   cg_iters)
+            return Outcome(
+                x,
+                False,
+                loss0,
+                loss0,
+                attempt,
+                0,
+                f"damping reached its maximum {config.damping_max:.3g}; last attempt: {reason}",
+                True,
+                rho,
+                0.0,
+                cg_iters,
+            )
+    return Outcome(
+        x,
+        False,
+        loss0,
+        loss0,
+        attempt,
+        0,
+        f"{attempts_allowed} attempts exhausted; last: {reason}",
+        True,
+        rho,
+        0.0,
+        cg_iters,
+    )

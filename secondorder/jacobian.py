@@ -159,15 +159,10 @@ class BatchForward(JacobianStrategy):
     name = "batch_forward"
     per_sample = False
 
-    def __init__(self, chunk_size: int | None = None) -> None:
-        self.chunk_size = chunk_size
-
     def __call__(  # noqa: D102
         self, program: ResidualProgram, params: Params, inputs: Any, targets: Any
     ) -> tuple[Tensor, Tensor]:
-        jac, r = jacfwd(_with_aux(program.batch), has_aux=True, chunk_size=self.chunk_size)(
-            params, inputs, targets
-        )
+        jac, r = jacfwd(_with_aux(program.batch), has_aux=True)(params, inputs, targets)
         return _flatten(jac, program.order, r.numel()), r
 
 
@@ -183,5 +178,5 @@ def make_jacobian(name: str, chunk_size: int | None = None) -> JacobianStrategy:
     if name == "batch_reverse":
         return BatchReverse(chunk_size)
     if name == "batch_forward":
-        return BatchForward(chunk_size)
+        return BatchForward()
     raise ValueError(f"Unknown jacobian={name!r}; valid choices are {JACOBIANS}.")

@@ -64,6 +64,9 @@ class NormalEquations:
         jac: J, rows of this process (dual form, QR, CG), else ``None``.
         residuals: ``r`` matching ``jac``'s rows, else ``None``.
         dual: whether the solve works with ``J D⁻¹ Jᵀ`` (m×m) rather than ``JᵀJ``.
+        scale_sq: squared column norms the damping matrix is built from, when they
+            differ from ``col_sq`` (robust losses rescale J's rows; the trust region
+            stays in the units of the unscaled problem).  ``None``: use ``col_sq``.
     """
 
     loss_sum: Tensor
@@ -74,6 +77,7 @@ class NormalEquations:
     jac: Tensor | None = None
     residuals: Tensor | None = None
     dual: bool = False
+    scale_sq: Tensor | None = None
 
     @property
     def n(self) -> int:

@@ -78,12 +78,14 @@ def _batch_size(tree: Any, name: str) -> int:
     tensors = [t for t in leaves if isinstance(t, Tensor)]
     if not tensors:
         raise TypeError(f"{name} must be a tensor or a tuple/list/dict of tensors, got {tree!r}")
-    sizes = {t.shape[0] if t.ndim > 0 else None for t in tensors}
-    if None in sizes:
+    if any(t.ndim == 0 for t in tensors):
         raise ValueError(f"{name} must have a batch dimension; got a 0-d tensor")
+    sizes = {int(t.shape[0]) for t in tensors}
     if len(sizes) != 1:
-        raise ValueError(f"all tensors in {name} must share the batch size, got sizes {sorted(sizes)}")
-    return int(sizes.pop())
+        raise ValueError(
+            f"all tensors in {name} must share the batch size, got sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
 
 
 def _slice(tree: Any, start: int, stop: int) -> Any:
@@ -164,8 +166,11 @@ class _ModelProblem:
     # -- functional evaluation --------------------------------------------------------
     def refresh_consts(self) -> None:
         trainable = set(self.names)
-        consts = {k: v for k, v in self.model.named_parameters(remove_duplicate=False)
-                  if k not in trainable}
+        consts: dict[str, Tensor] = {
+            k: v
+            for k, v in self.model.named_parameters(remove_duplicate=False)
+            if k not in trainable
+        }
         consts.update(dict(self.model.named_buffers(remove_duplicate=False)))
         # Tied copies of a trainable parameter are resolved by functional_call's tie_weights.
         self.consts = {k: v for k, v in consts.items() if not any(v is p for p in self.params)}
@@ -342,7 +347,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r}")
+            raise TypeError(
+                f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r}"
+            )
         if not (callable(residual_fn) or isinstance(residual_fn, ModelResidual)):
             raise TypeError(f"residual_fn must be callable, got {residual_fn!r}")
         if devices is not None:
@@ -370,7 +377,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             )
         devs = {p.device for _, p in named}
         if len(devs) != 1:
-            raise ValueError(f"model parameters must be on one device, got {sorted(map(str, devs))}")
+            raise ValueError(
+                f"model parameters must be on one device, got {sorted(map(str, devs))}"
+            )
         super().__init__([p for _, p in named], {"lr": lr})
         self.model = model
         self.residual_fn = residual_fn
@@ -430,22 +439,22 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                         f"{p0.dtype}; convert one of them"
                     )
                 if leaf.device != p0.device:
-                    raise ValueError(
-                        f"inputs are on {leaf.device} but the model is on {p0.device}"
-                    )
+                    raise ValueError(f"inputs are on {leaf.device} but the model is on {p0.device}")
         probe = batch if self._problem.coupled_residual else min(batch, 2)
         sub_in = _slice(inputs, 0, probe)
         sub_t = None if targets is None else _slice(targets, 0, probe)
         if self._problem.coupled_residual:
             sub_t = targets
-        params = {k: p.detach() for k, p in zip(self._problem.names, self._problem.params,
-                                                 strict=True)}
+        params = {
+            k: p.detach() for k, p in zip(self._problem.names, self._problem.params, strict=True)
+        }
         self._problem.refresh_consts()
         with torch.no_grad(), _frozen_batch_stats(self.model):
             if self._problem.coupled_residual:
                 r = self._problem._batch(params, sub_in, sub_t)
                 out = r
             else:
+                assert not isinstance(self.residual_fn, ModelResidual)
                 out = self.residual_fn(self._problem._call(params, sub_in), sub_t)
         if not isinstance(out, Tensor):
             raise TypeError(f"residual_fn must return a tensor, got {type(out).__name__}")
@@ -567,7 +576,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             for t in (system.grad, system.col_sq, system.gram, system.jac)
             if t is not None
         )
-        base = {
+        base: dict[str, Any] = {
             "jacobian": prob.strategy.name,
             "solver": prob.solver.name,
             "form": prob.form,
@@ -580,11 +589,18 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             self._steps += 1
             loss = float(system.loss_sum) / max(system.count, 1)
             return StepInfo(
-                loss=loss, loss_before=loss, accepted=False, terminated=False,
+                loss=loss,
+                loss_before=loss,
+                accepted=False,
+                terminated=False,
                 reason="non-finite residuals or Jacobian at the current parameters; "
                 "step rejected and damping raised",
-                damping=self._damping.damping, attempts=1, gain_ratio=float("nan"),
-                step_norm=0.0, status=0, **base,
+                damping=self._damping.damping,
+                attempts=1,
+                gain_ratio=float("nan"),
+                step_norm=0.0,
+                status=0,
+                **base,
                 timings={"linearize": t_lin - t_start, "total": time.perf_counter() - t_start},
             )
         out = iterate(
@@ -629,12 +645,13 @@ class LevenbergMarquardt(torch.optim.Optimizer):
 
     def _write(self, x: Tensor) -> None:
         with torch.no_grad():
-            for p, chunk in zip(self._problem.params, torch.split(x, self._problem.numels),
-                                strict=True):
+            for p, chunk in zip(
+                self._problem.params, torch.split(x, self._problem.numels), strict=True
+            ):
                 p.copy_(chunk.view_as(p))
 
     # -- checkpoints ---------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: λ, ν, Moré scale, step count, settings.
 
         Holds only tensors, numbers, strings, lists and dicts, so it loads with
@@ -656,10 +673,12 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             "config": cfg,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; refuse one from another model or a newer format."""
         if not isinstance(state_dict, dict) or "format_version" not in state_dict:
-            raise ValueError("state_dict is not a LevenbergMarquardt state dict (no format_version)")
+            raise ValueError(
+                "state_dict is not a LevenbergMarquardt state dict (no format_version)"
+            )
         version = state_dict["format_version"]
         if version != STATE_FORMAT_VERSION:
             raise ValueError(

@@ -375,7 +375,8 @@ def least_squares(
         geodesic: add geodesic acceleration.  The defaults of these LM parts
             mirror MINPACK (Moré's scaling and a QR of J).
 
-        args, kwargs: extra arguments passed to ``fun`` (and a callable ``jac``).
+        args: extra positional arguments of ``fun`` (and of a callable ``jac``).
+        kwargs: extra keyword arguments of ``fun`` (and of a callable ``jac``).
 
     Returns:
         An :class:`OptimizeResult` with scipy's fields.

@@ -4,9 +4,10 @@
 rows of J slice by slice, the slices are reduced into one :class:`NormalEquations`
 record (through a reducer, the only stage that would talk to other processes), a
 linear solver factors it once, and :func:`secondorder.engine.iterate` runs the damped
-attempts.  Trial points are evaluated functionally, with the parameters passed to
-:func:`torch.func.functional_call`; the model's own parameters are written once, when
-a step is accepted, so an exception anywhere in a step leaves them untouched.
+attempts.  Trial points are evaluated functionally: candidate tensors stand in for
+the parameters for the duration of one call.  The model's own parameters are
+written once, when a step is accepted, so an exception anywhere in a step leaves
+them untouched.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp, vjp
+from torch.func import jvp, vjp
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .config import LMConfig
@@ -161,20 +162,19 @@ class _ModelProblem:
         self.solver: LinearSolver = make_solver("cholesky")
         self.form = "primal"
         self.gram_dtype: torch.dtype | None = None
-        self.consts: dict[str, Tensor] = {}
+        # Every place a trainable parameter lives, tied copies included: (module, attribute,
+        # canonical name).  Evaluations swap tensors into these slots and restore the
+        # original Parameter objects afterwards, so the user's references stay valid
+        # (torch.func.functional_call replaces tied parameters by new objects).
+        canonical = {id(p): name for name, p in zip(names, params, strict=True)}
+        self.slots = [
+            (module, attr, canonical[id(p)])
+            for _, module in model.named_modules(remove_duplicate=False)
+            for attr, p in module._parameters.items()
+            if p is not None and id(p) in canonical
+        ]
 
     # -- functional evaluation --------------------------------------------------------
-    def refresh_consts(self) -> None:
-        trainable = set(self.names)
-        consts: dict[str, Tensor] = {
-            k: v
-            for k, v in self.model.named_parameters(remove_duplicate=False)
-            if k not in trainable
-        }
-        consts.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        # Tied copies of a trainable parameter are resolved by functional_call's tie_weights.
-        self.consts = {k: v for k, v in consts.items() if not any(v is p for p in self.params)}
-
     def unflatten(self, x: Tensor) -> dict[str, Tensor]:
         return {
             name: chunk.view(shape)
@@ -184,7 +184,14 @@ class _ModelProblem:
         }
 
     def _call(self, params: dict[str, Tensor], inputs: Any) -> Tensor:
-        out: Tensor = functional_call(self.model, (params, self.consts), (inputs,))
+        originals = [module._parameters[attr] for module, attr, _ in self.slots]
+        try:
+            for module, attr, name in self.slots:
+                module._parameters[attr] = params[name]
+            out: Tensor = self.model(inputs)
+        finally:
+            for (module, attr, _), original in zip(self.slots, originals, strict=True):
+                module._parameters[attr] = original
         return out
 
     def _batch(self, params: dict[str, Tensor], inputs: Any, targets: Any) -> Tensor:
@@ -448,7 +455,6 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         params = {
             k: p.detach() for k, p in zip(self._problem.names, self._problem.params, strict=True)
         }
-        self._problem.refresh_consts()
         with torch.no_grad(), _frozen_batch_stats(self.model):
             if self._problem.coupled_residual:
                 r = self._problem._batch(params, sub_in, sub_t)

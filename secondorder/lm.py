@@ -535,7 +535,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                     best, best_t = name, elapsed
         return best
 
-    def _configure(self, batch: int, m: int, inputs: Any) -> None:
+    def _configure(self, batch: int, m: int, inputs: Any, slice_size: int | None = None) -> None:
         cfg, prob, n = self.config, self._problem, self._problem.n
         dual = cfg.form == "dual" or (cfg.form == "auto" and m < n and cfg.solver != "cg")
         solver = cfg.solver
@@ -548,28 +548,34 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         prob.solver = make_solver(solver, cfg.gram_dtype, cfg.cg_rtol, cfg.cg_max_iter)
         name = self._choose_jacobian(batch, m, self._signature(inputs, m))
         k = max(1, m // batch)
-        if cfg.slice_size is not None:
-            prob.slice_size = cfg.slice_size
+        slice_size = slice_size if slice_size is not None else cfg.slice_size
+        if slice_size is not None:
+            prob.slice_size = slice_size
         else:
             itemsize = prob.params[0].element_size()
             prob.slice_size = max(1, cfg.memory_budget // (3 * k * n * itemsize))
-        chunk = cfg.slice_size if name.startswith("batch") else None
+        chunk = slice_size if name.startswith("batch") else None
         prob.strategy = make_jacobian(name, chunk)
 
     def step(  # type: ignore[override]
-        self, inputs: Any, targets: Any = None
+        self, inputs: Any, targets: Any = None, *, slice_size: int | None = None
     ) -> StepInfo:
         """Run one LM iteration on this batch and return what it did.
 
-        The model's parameters are written only if a step is accepted; if anything
+        ``slice_size`` overrides the configured samples per Jacobian slice for this
+        call only.  The model's parameters are written only if a step is accepted; if anything
         raises during the step (the model, the residual function, an interrupt), they
         are exactly as before.
         """
         t_start = time.perf_counter()
+        if slice_size is not None and (
+            isinstance(slice_size, bool) or not isinstance(slice_size, int) or slice_size < 1
+        ):
+            raise ValueError(f"Invalid slice_size={slice_size!r}: must be an integer >= 1.")
         batch, m = self._validate(inputs, targets)
         prob = self._problem
         prob.inputs, prob.targets, prob.batch_size = inputs, targets, batch
-        self._configure(batch, m, inputs)
+        self._configure(batch, m, inputs, slice_size)
         lr = float(self.param_groups[0]["lr"])
         if not lr > 0:
             raise ValueError(f"Invalid lr={lr!r} in param_groups[0]: must be > 0.")

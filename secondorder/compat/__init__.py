@@ -1,0 +1,1 @@
+"""Drop-in interfaces for users of other LM libraries."""

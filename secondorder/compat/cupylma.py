@@ -1,0 +1,100 @@
+"""A drop-in for cuPyLMA users: ``from secondorder.compat.cupylma import LMA``.
+
+cuPyLMA's ``LMA(model, devices, residual_fn, ...)`` with ``step(x, y, slice_size)``
+returning ``(loss, terminated)`` maps onto :class:`~secondorder.LevenbergMarquardt`
+with cuPyLMA's multiplicative damping rule and Marquardt's ``diag(JᵀJ)`` damping.
+What changes for the better without any edit of the calling code:
+
+* ``learning_rate`` scales the update (cuPyLMA stores it and never applies it);
+* float64 models work (cuPyLMA supports float32 only);
+* the reported loss is ``mean(r²)`` of whatever ``residual_fn`` returns, not an
+  assumed MSE;
+* a zero column of J (a dead unit) no longer stalls training: the damping diagonal
+  has a floor, so ``JᵀJ + λD`` is positive definite for every λ > 0;
+* a step is kept only when the gain ratio is positive, so the loss never rises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..lm import LevenbergMarquardt, StepInfo
+from ..residuals import mse
+
+__all__ = ["LMA", "get_available_gpus"]
+
+
+def get_available_gpus() -> list[torch.device]:
+    """The CUDA devices of this process, as cuPyLMA lists them (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+
+class LMA:
+    """cuPyLMA's optimizer interface over :class:`~secondorder.LevenbergMarquardt`.
+
+    Args:
+        model: the module to train.
+        devices: devices to compute on.  An empty sequence or ``None`` keeps the model
+            where it is; one device moves the model there.  Several devices in one
+            process are not supported yet and are refused with a clear error.
+        residual_fn: ``(outputs, targets) -> residuals`` (default: plain differences).
+        learning_rate: scales every update.
+        damping_start: initial λ.
+        damping_up, damping_down: λ is multiplied by ``damping_up`` after a rejected
+            attempt and by ``damping_down`` after an accepted step.
+        **options: any further :class:`~secondorder.config.LMConfig` field.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        devices: Sequence[Any] | None = None,
+        residual_fn: Callable[[Tensor, Tensor], Tensor] = mse,
+        learning_rate: float = 1.0,
+        damping_start: float = 1e-3,
+        damping_up: float = 10.0,
+        damping_down: float = 0.1,
+        **options: Any,
+    ) -> None:
+        devs = list(devices) if devices is not None else []
+        if len(devs) > 1:
+            raise NotImplementedError(
+                f"devices={devs!r}: several devices in one process are not supported yet; "
+                "pass one device (or none to keep the model where it is)"
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if devs:
+            model.to(torch.device(devs[0]))
+        self.model = model
+        self.devices = devs
+        options.setdefault("damping_rule", "multiplicative")
+        options.setdefault("damping_matrix", "marquardt")
+        self.optimizer = LevenbergMarquardt(
+            model,
+            residual_fn,
+            lr=learning_rate,
+            damping=damping_start,
+            damping_up=damping_up,
+            damping_down=damping_down,
+            **options,
+        )
+        #: The :class:`~secondorder.StepInfo` of the last step, for more detail.
+        self.last_info: StepInfo | None = None
+
+    def step(self, x: Tensor, y: Tensor, slice_size: int | None = None) -> tuple[float, bool]:
+        """One LM iteration on ``(x, y)``; returns ``(loss, terminated)``."""
+        info = self.optimizer.step(x, y, slice_size=slice_size)
+        self.last_info = info
+        return info.loss, info.terminated
+
+    @property
+    def damping(self) -> float:
+        """The current λ."""
+        return self.optimizer.damping

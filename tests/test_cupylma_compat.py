@@ -1,0 +1,95 @@
+"""The cuPyLMA drop-in: same calls, and the fixes it promises."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import secondorder as so
+from secondorder.cli import sinc_data, sinc_model
+from secondorder.compat.cupylma import LMA, get_available_gpus
+
+
+def test_get_available_gpus_on_this_machine():
+    gpus = get_available_gpus()
+    assert len(gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_shim_converges_on_sinc_in_slices():
+    x, y = sinc_data(1_000)
+    model = sinc_model(hidden=32, seed=0)
+    lma = LMA(model, get_available_gpus()[:1], so.residuals.mse)
+    losses = []
+    for _ in range(250):
+        loss, terminated = lma.step(x, y, slice_size=250)
+        losses.append(loss)
+        if terminated:
+            break
+    with torch.no_grad():
+        mse = float(nn.functional.mse_loss(model(x), y))
+    assert losses[-1] == pytest.approx(mse, rel=1e-4)
+    assert mse < 1e-5
+    assert all(b <= a for a, b in itertools.pairwise(losses))
+
+
+def test_shim_equals_the_optimizer_with_the_multiplicative_rule():
+    x, y = sinc_data(300, dtype=torch.float64)
+    model = sinc_model(hidden=6, seed=1, dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    lma = LMA(model, [], learning_rate=0.7, damping_start=1e-2, damping_up=5.0, damping_down=0.2)
+    opt = so.LevenbergMarquardt(
+        twin,
+        lr=0.7,
+        damping=1e-2,
+        damping_rule="multiplicative",
+        damping_up=5.0,
+        damping_down=0.2,
+        damping_matrix="marquardt",
+    )
+    for _ in range(5):
+        loss, _ = lma.step(x, y, slice_size=100)
+        info = opt.step(x, y)
+        assert loss == pytest.approx(info.loss, rel=1e-10)
+        assert lma.damping == pytest.approx(opt.damping, rel=1e-12)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_learning_rate_is_applied():
+    """cuPyLMA ignores learning_rate; the shim scales the step by it."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(30, 1, generator=g, dtype=torch.float64)
+    steps = {}
+    for lr in (1.0, 0.25):
+        model = nn.Linear(4, 1, bias=False).double()
+        with torch.no_grad():
+            model.weight.zero_()
+        LMA(model, [], learning_rate=lr, damping_start=1e-6).step(X, y)
+        steps[lr] = model.weight.detach().clone()
+    torch.testing.assert_close(steps[0.25], 0.25 * steps[1.0], rtol=1e-10, atol=0)
+
+
+def test_zero_jacobian_column_does_not_stall():
+    """cuPyLMA's JᵀJ + λ·diag(JᵀJ) is singular for every λ with a dead unit; ours is not."""
+    x, y = sinc_data(200, dtype=torch.float64)
+    model = sinc_model(hidden=8, seed=0, dtype=torch.float64)
+    with torch.no_grad():
+        model[2].weight[0, 0] = 0.0  # hidden unit 0 feeds nothing...
+        model[0].weight[0, 0] = 0.0  # ...and receives nothing: its columns are zero
+        model[0].bias[0] = 0.0
+    lma = LMA(model, [])
+    first, _ = lma.step(x, y)
+    for _ in range(20):
+        loss, terminated = lma.step(x, y)
+        assert not terminated
+    assert loss < 0.5 * first
+
+
+def test_several_devices_are_refused_clearly():
+    with pytest.raises(NotImplementedError, match=r"devices=\['cpu', 'cpu'\]"):
+        LMA(sinc_model(), ["cpu", "cpu"])

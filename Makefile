@@ -21,8 +21,8 @@ demo: venv
 	$(PY) -m secondorder demo
 
 lint: venv
-	$(PY) -m ruff check secondorder tests examples benchmarks
-	$(PY) -m ruff format --check secondorder tests examples benchmarks
+	$(PY) -m ruff check secondorder tests
+	$(PY) -m ruff format --check secondorder tests
 
 typecheck: venv
 	$(PY) -m mypy
@@ -34,8 +34,8 @@ test-slow: venv
 	$(PY) -m pytest -q -m slow
 
 format: venv
-	$(PY) -m ruff format secondorder tests examples benchmarks
-	$(PY) -m ruff check --fix secondorder tests examples benchmarks
+	$(PY) -m ruff format secondorder tests
+	$(PY) -m ruff check --fix secondorder tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

@@ -98,11 +98,15 @@ def _unsqueeze(tree: Any) -> Any:
 
 
 def _interacting_modules(model: nn.Module) -> list[str]:
-    """Modules in training mode whose output for a sample depends on other samples."""
+    """Modules whose output for a sample depends on the other samples of the batch.
+
+    A BatchNorm normalises with the batch's statistics in training mode, and in eval
+    mode too when it keeps no running statistics (``track_running_stats=False``).
+    """
     return [
         name or type(m).__name__
         for name, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
     ]
 
 
@@ -240,14 +244,17 @@ class _ModelProblem:
                 count += r.numel()
                 loss_sum += torch.dot(r.to(wide), r.to(wide))
                 grad += J.T @ r
-                col_sq += (J * J).sum(0)
                 if store:
+                    col_sq += (J * J).sum(0)
                     jacs.append(J)
                     res.append(r)
                 else:
                     gdt = self.gram_dtype or J.dtype
                     Jg = J.to(gdt)
                     gram = Jg.T @ Jg if gram is None else gram.addmm_(Jg.T, Jg)
+        if gram is not None:
+            # diag(JᵀJ) comes free with the Gram.
+            col_sq = gram.diagonal().to(x.dtype).clone()
         parts = [loss_sum, grad, col_sq] + ([gram] if gram is not None else [])
         self.reducer.sum_(parts)
         return NormalEquations(
@@ -498,8 +505,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                 if interacting:
                     raise ValueError(
                         f"jacobian={cfg.jacobian!r} would compute a wrong per-sample Jacobian: "
-                        f"modules {interacting} mix samples in training mode (BatchNorm); use "
-                        "'batch_reverse', 'batch_forward' or 'auto', or call model.eval()"
+                        f"modules {interacting} mix samples (BatchNorm in training mode or "
+                        "without running statistics); use 'batch_reverse', 'batch_forward' "
+                        "or 'auto', or call model.eval()"
                     )
             return cfg.jacobian
         if self._problem.coupled_residual or interacting:

@@ -51,7 +51,10 @@ def l1(outputs: Tensor, targets: Tensor, eps: float = 1e-6) -> Tensor:
     ``e = 0`` (slope ``1/sqrt(2·eps)`` there) where the raw ``sqrt(|e|)`` is not.
     """
     e = outputs - targets.reshape(outputs.shape).to(outputs.dtype)
-    return torch.sign(e) * torch.sqrt(torch.sqrt(e * e + eps * eps) - eps)
+    # sqrt(e² + eps²) - eps == e² / (sqrt(e² + eps²) + eps); dividing ``e`` by the root
+    # of the denominator gives the same residual without a square root of zero, so
+    # autograd's derivative is finite (and equal to the slope above) at ``e = 0``.
+    return e / torch.sqrt(torch.sqrt(e * e + eps * eps) + eps)
 
 
 def huber(outputs: Tensor, targets: Tensor, delta: float = 1.0) -> Tensor:
@@ -64,8 +67,13 @@ def huber(outputs: Tensor, targets: Tensor, delta: float = 1.0) -> Tensor:
     """
     e = outputs - targets.reshape(outputs.shape).to(outputs.dtype)
     a = e.abs()
-    outer = torch.sign(e) * torch.sqrt(torch.clamp(2.0 * delta * a - delta * delta, min=0.0))
-    return torch.where(a <= delta, e, outer)
+    inside = a <= delta
+    # Evaluate the outer branch only where it is used: elsewhere feed it ``delta`` so the
+    # root stays positive and its derivative finite (torch.where passes gradients to
+    # both branches, and a NaN in the unused one would poison the selected one).
+    a_out = torch.where(inside, torch.full_like(a, delta), a)
+    outer = torch.sign(e) * torch.sqrt(2.0 * delta * a_out - delta * delta)
+    return torch.where(inside, e, outer)
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, eps: float = 1e-12) -> Tensor:

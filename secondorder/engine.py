@@ -57,6 +57,9 @@ class EngineConfig:
     min_gain_ratio: float = 1e-4
     damping_min: float = 1e-12
     damping_max: float = 1e12
+    #: λ after a rejected attempt that started from λ = 0 (a pure Gauss-Newton step);
+    #: multiplying zero would leave it at zero for ever.
+    damping_restart: float = 1e-3
     ftol: float = 1e-8
     xtol: float = 1e-8
     gtol: float = 1e-8
@@ -122,10 +125,21 @@ def _convergence(
 def _solve(
     fact: Factorization, damping: float, b: Tensor, w: Tensor | None, dtype: torch.dtype
 ) -> Tensor | None:
-    delta = fact.solve(damping, b, w)
+    try:
+        delta = fact.solve(damping, b, w)
+    except torch.linalg.LinAlgError:
+        return None
     if delta is None or not bool(torch.isfinite(delta).all()):
         return None
     return delta.to(dtype)
+
+
+def _reject(rule: DampingRule, state: DampingState, config: EngineConfig) -> None:
+    """Raise λ after a failed attempt, restarting from ``damping_restart`` at zero."""
+    rule.reject(state)
+    if state.damping <= 0.0:
+        state.damping = config.damping_restart
+    state.damping = max(state.damping, config.damping_min)
 
 
 def iterate(
@@ -163,7 +177,16 @@ def iterate(
             0,
         )
     d = matrix.diagonal(system.col_sq if system.scale_sq is None else system.scale_sq, state)
-    fact = solver.factor(system, d)
+    try:
+        fact = solver.factor(system, d)
+    except torch.linalg.LinAlgError as exc:
+        # An eigendecomposition or QR that does not converge is a numerical fault of
+        # this point, not of the program: raise λ and let the caller try again.
+        _reject(rule, state, config)
+        state.damping = min(state.damping, config.damping_max)
+        return Outcome(
+            x, False, loss0, loss0, 1, 0, f"factorisation failed: {exc}", False, math.nan, 0.0, 0
+        )
     g = system.grad
     r = system.residuals
     w = None if r is None else -r
@@ -179,7 +202,7 @@ def iterate(
         cg_iters += fact.iterations
         if v is None:
             reason = f"linear solve failed at damping {lam:.3g}"
-            rule.reject(state)
+            _reject(rule, state, config)
         else:
             delta = v
             ok = True
@@ -206,7 +229,7 @@ def iterate(
                 loss1 = float(trial)
                 if not math.isfinite(loss1):
                     reason = "non-finite residuals at the trial point"
-                    rule.reject(state)
+                    _reject(rule, state, config)
                 else:
                     actual = loss0 - loss1
                     rho = actual / pred if pred > 0 else -math.inf
@@ -238,7 +261,7 @@ def iterate(
                             step_norm,
                             cg_iters,
                         )
-                    rule.reject(state)
+                    _reject(rule, state, config)
                     if status > 0:
                         # MINPACK tests convergence after every attempt: a rejected step
                         # that is already below xtol, or whose reductions are below ftol,
@@ -248,8 +271,7 @@ def iterate(
                         )
                     reason = f"gain ratio {rho:.3g} too small at damping {lam:.3g}"
             else:
-                rule.reject(state)
-        state.damping = max(state.damping, config.damping_min)
+                _reject(rule, state, config)
         if state.damping > config.damping_max:
             state.damping = config.damping_max
             return Outcome(

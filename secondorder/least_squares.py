@@ -21,6 +21,7 @@ reached exactly; the reported ``jac``, ``grad`` and ``optimality`` are those of 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,6 +159,23 @@ class _Bounds:
         high = torch.sqrt(torch.clamp((ub - x + 1) ** 2 - 1, min=0.0))
         return torch.where(self.both, two, torch.where(self.lo, low, torch.where(self.hi, high, x)))
 
+    def derivatives(self, y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x'(y), x''(y))`` elementwise (ones and zeros where x is unbounded)."""
+        width = torch.where(self.both, self.ub - self.lb, torch.zeros_like(self.ub))
+        root = torch.sqrt(y * y + 1)
+        one, zero = torch.ones_like(y), torch.zeros_like(y)
+        d1 = torch.where(
+            self.both,
+            width * torch.cos(y) / 2,
+            torch.where(self.lo, y / root, torch.where(self.hi, -y / root, one)),
+        )
+        d2 = torch.where(
+            self.both,
+            -width * torch.sin(y) / 2,
+            torch.where(self.lo, root**-3, torch.where(self.hi, -(root**-3), zero)),
+        )
+        return d1, d2
+
     def strictly_feasible(self, x: Tensor) -> Tensor:
         """Move points on a bound slightly inside, where the change of variables has slope."""
         step = 1e-10 * torch.clamp(x.abs(), min=1.0)
@@ -190,8 +208,13 @@ class _FunctionProblem:
         bounds: _Bounds,
         loss: str,
         f_scale: float,
+        *,
+        need_gram: bool,
+        differentiable: bool,
     ) -> None:
         self.fun = fun
+        self.need_gram = need_gram
+        self.differentiable = differentiable
         self.jac = jac
         self.bounds = bounds
         self.loss = loss
@@ -200,6 +223,10 @@ class _FunctionProblem:
         self.njev = 0
         #: The last point evaluated and its residuals, so an accepted trial is not redone.
         self.last: tuple[Tensor, Tensor] | None = None
+        #: Triggs' row scaling of the last linearisation (robust losses), else None.
+        self.row_scale: Tensor | None = None
+        #: Rows appended to J for the curvature of the bounds' change of variables.
+        self.extra_rows = 0
 
     def _cost2(self, f: Tensor) -> Tensor:
         """``2·cost = f_scale² Σ ρ((f/f_scale)²)``."""
@@ -220,32 +247,49 @@ class _FunctionProblem:
         f = self.residuals(y)
         return self._cost2(f) if bool(torch.isfinite(f).all()) else torch.tensor(math.inf)
 
-    def jac_y(self, y: Tensor) -> Tensor:
-        self.njev += 1
-        x = self.bounds.to_x(y)
-        J = self.jac(x)
-        if self.bounds.any:
-            # dx/dy, applied column-wise (chain rule through the change of variables).
-            J = J * jacfwd(self.bounds.to_x)(y).diagonal()
-        return J
-
     def linearize(self, y: Tensor, f: Tensor) -> NormalEquations:
-        J = self.jac_y(y)
+        self.njev += 1
+        J = self.jac(self.bounds.to_x(y))
         r, Js = f, J
+        self.row_scale = None
         if self.loss != "linear":
             z = (f / self.f_scale) ** 2
             _, rho1, rho2 = _rho(self.loss, z)
             scale = torch.clamp(rho1 + 2 * rho2 * z, min=torch.finfo(f.dtype).eps).sqrt()
             r = f * rho1 / scale
             Js = J * scale[:, None]
+            self.row_scale = scale
+        scale_sq = None if Js is J else (J * J).sum(0)
+        self.extra_rows = 0
+        if self.bounds.any:
+            # Chain rule through x(y), column by column.  Gauss-Newton would drop the
+            # transform's own curvature g_x·x''(y), but at an active bound that term is
+            # all the curvature there is (J's column vanishes with x'(y)), and without it
+            # every step towards the bound overshoots.  Where it is positive it enters
+            # the model as an extra row sqrt(g_x·x'')·eᵢ with residual 0, which adds it
+            # to diag(JᵀJ) and leaves the gradient Jᵀr unchanged.
+            d1, d2 = self.bounds.derivatives(y)
+            curv = torch.clamp((Js.T @ r) * d2, min=0.0)
+            J, Js = J * d1, Js * d1
+            scale_sq = None if scale_sq is None else (J * J).sum(0)
+            rows = torch.nonzero(curv > 0).flatten()
+            if rows.numel() > 0:
+                extra = torch.zeros(rows.numel(), Js.shape[1], dtype=Js.dtype)
+                extra[torch.arange(rows.numel()), rows] = curv[rows].sqrt()
+                Js = torch.cat([Js, extra])
+                r = torch.cat([r, torch.zeros(rows.numel(), dtype=r.dtype)])
+                self.extra_rows = rows.numel()
+                if scale_sq is not None:
+                    scale_sq = scale_sq + curv
         return NormalEquations(
             loss_sum=self._cost2(f),
             count=f.numel(),
             grad=Js.T @ r,
             col_sq=(Js * Js).sum(0),
+            gram=Js.T @ Js if self.need_gram else None,
             jac=Js,
             residuals=r,
-            scale_sq=None if Js is J else (J * J).sum(0),
+            scale_sq=scale_sq,
         )
 
     def second_directional(
@@ -254,12 +298,29 @@ class _FunctionProblem:
         def f(t: Tensor) -> Tensor:
             return self.fun(self.bounds.to_x(t))
 
-        def jv(t: Tensor) -> Tensor:
-            out: Tensor = torch.func.jvp(f, (t,), (v,))[1]
-            return out
-
-        rvv = torch.func.jvp(jv, (y,), (v,))[1].detach()
         assert system.jac is not None
+        if self.differentiable:
+
+            def jv(t: Tensor) -> Tensor:
+                out: Tensor = torch.func.jvp(f, (t,), (v,))[1]
+                return out
+
+            rvv = torch.func.jvp(jv, (y,), (v,))[1].detach()
+        else:
+            # A NumPy residual cannot be differentiated twice: take the second
+            # directional derivative by a central difference along v, with the step
+            # that balances truncation (O(h²)) against roundoff (O(eps/h²)).
+            vnorm = float(torch.linalg.vector_norm(v))
+            if vnorm == 0.0:
+                return torch.zeros_like(system.grad), torch.zeros_like(system.jac[:, 0])
+            h = torch.finfo(y.dtype).eps ** 0.25 * max(1.0, float(torch.linalg.vector_norm(y)))
+            t = h / vnorm
+            rvv = (f(y + t * v) - 2.0 * f(y) + f(y - t * v)) / (t * t)
+        if self.row_scale is not None:
+            # The rows of J were rescaled for the robust loss; rescale r_vv alike.
+            rvv = rvv * self.row_scale
+        if self.extra_rows:
+            rvv = torch.cat([rvv, torch.zeros(self.extra_rows, dtype=rvv.dtype)])
         return system.jac.T @ rvv, rvv
 
 
@@ -405,7 +466,7 @@ def least_squares(
     for name, tol in (("ftol", ftol), ("xtol", xtol), ("gtol", gtol)):
         _check_positive(name, tol)
     if max_nfev is not None and (
-        isinstance(max_nfev, bool) or not isinstance(max_nfev, int) or max_nfev < 1
+        isinstance(max_nfev, bool) or not isinstance(max_nfev, numbers.Integral) or max_nfev < 1
     ):
         raise ValueError(f"Invalid max_nfev={max_nfev!r}: must be an integer >= 1 or None.")
     if damping_rule not in DAMPING_RULES:
@@ -471,11 +532,21 @@ def least_squares(
 
     bnds = _Bounds(lb, ub)
     x_start = bnds.strictly_feasible(x_start)
-    problem = _FunctionProblem(f_torch, jac_fn, bnds, loss, float(f_scale))
+    problem = _FunctionProblem(
+        f_torch,
+        jac_fn,
+        bnds,
+        loss,
+        float(f_scale),
+        need_gram=solver in ("cholesky", "eigh"),
+        differentiable=not numpy_fun,
+    )
     engine = EngineConfig(
         max_attempts=1 << 30,
         min_gain_ratio=1e-4,
-        damping_min=1e-15,
+        # No floor: near a singular solution (Powell's) JᵀJ shrinks without bound
+        # while D keeps its scale, and any fixed floor would cap the step.
+        damping_min=0.0,
         damping_max=1e15,
         ftol=ftol,
         xtol=xtol,
@@ -486,7 +557,7 @@ def least_squares(
     matrix = make_damping_matrix(damping_matrix)
     state = DampingState(damping=float(damping))
     lin_solver = make_solver(solver)
-    budget = max_nfev if max_nfev is not None else 100 * n
+    budget = int(max_nfev) if max_nfev is not None else 100 * n
 
     y = bnds.to_y(x_start)
     f = problem.residuals(y)

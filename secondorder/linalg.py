@@ -261,6 +261,8 @@ class _QR(Factorization):
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         w = _require_w(w, "qr")
         w = w.to(self.r0.dtype)
+        if damping == 0.0 and self.r0.shape[0] < self.r0.shape[1]:
+            return self._min_norm(w)
         c = self.q0.T @ w if self.q0 is not None else w
         a = torch.cat([self.r0, torch.diag(math.sqrt(damping) * self.sqrt_d)])
         q, r = torch.linalg.qr(a, mode="reduced")
@@ -269,6 +271,21 @@ class _QR(Factorization):
             return None
         rhs = q[: c.shape[0]].T @ c
         return torch.linalg.solve_triangular(r, rhs.unsqueeze(-1), upper=True).squeeze(-1)
+
+
+    def _min_norm(self, w: Tensor) -> Tensor | None:
+        """λ = 0 with fewer rows than columns: the solution of ``Jδ = w`` nearest 0.
+
+        ``[J; 0]`` is singular, but the limit λ → 0 of the damped step is the
+        minimum-D-norm solution ``D^-½·pinv(J·D^-½)·w``, from a QR of ``(J·D^-½)ᵀ``.
+        """
+        if not bool((self.sqrt_d > 0).all()):
+            return None
+        q, r = torch.linalg.qr((self.r0 / self.sqrt_d).T, mode="reduced")
+        if not _finite(r) or bool((torch.diagonal(r) == 0).any()):
+            return None
+        z = torch.linalg.solve_triangular(r.T, w.unsqueeze(-1), upper=False).squeeze(-1)
+        return (q @ z) / self.sqrt_d
 
 
 class QRSolver(LinearSolver):

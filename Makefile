@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Override on a GPU machine, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,16 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(PY) -m secondorder demo
+
+$(VENV)/.bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $@
+
+bench: $(VENV)/.bench
+	$(PY) -m secondorder bench --json out/bench/bench.json
+
+bench-quick: $(VENV)/.bench
+	$(PY) -m secondorder bench --quick --json out/bench/bench_quick.json
 
 lint: venv
 	$(PY) -m ruff check secondorder tests

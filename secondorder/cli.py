@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .bench import add_bench_parser, run_bench
 from .lm import LevenbergMarquardt
 from .residuals import mse
 
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="LM against Adam on sinc(10x), with a plot")
     d.add_argument("--points", type=int, default=20_000)
-    d.add_argument("--lm-steps", type=int, default=400)
+    d.add_argument("--lm-steps", type=int, default=800)
     d.add_argument("--adam-steps", type=int, default=2_000)
     d.add_argument("--adam-lr", type=float, default=1e-2)
     d.add_argument("--target", type=float, default=1e-6, help="MSE for the time-to-target column")
@@ -195,10 +196,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--out", default="out", help="folder for the plot")
     d.add_argument("--json", default=None, help="also write the trajectories to this file")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         for name in ("points", "lm_steps", "adam_steps", "threads"):
             if getattr(args, name) < 1:
                 parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         return demo(args)
+    if args.command == "bench":
+        return run_bench(args)
     return 2  # pragma: no cover - argparse rejects other commands

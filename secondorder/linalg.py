@@ -272,7 +272,6 @@ class _QR(Factorization):
         rhs = q[: c.shape[0]].T @ c
         return torch.linalg.solve_triangular(r, rhs.unsqueeze(-1), upper=True).squeeze(-1)
 
-
     def _min_norm(self, w: Tensor) -> Tensor | None:
         """λ = 0 with fewer rows than columns: the solution of ``Jδ = w`` nearest 0.
 

@@ -93,3 +93,26 @@ def test_zero_jacobian_column_does_not_stall():
 def test_several_devices_are_refused_clearly():
     with pytest.raises(NotImplementedError, match=r"devices=\['cpu', 'cpu'\]"):
         LMA(sinc_model(), ["cpu", "cpu"])
+
+
+def test_cupylma_solver_and_dtype_arguments_are_accepted():
+    """cuPyLMA's own call passes a NumPy solve function and a NumPy dtype."""
+    np = pytest.importorskip("numpy")
+    x, y = sinc_data(200)
+    model = sinc_model(hidden=8, seed=2)
+    twin = copy.deepcopy(model)
+    lma = LMA(model, [], so.residuals.mse, solver=np.linalg.solve, dtype=np.float32)
+    assert lma.optimizer.config.gram_dtype == torch.float32
+    opt = so.LevenbergMarquardt(
+        twin, damping_rule="multiplicative", damping_matrix="marquardt", gram_dtype=torch.float32
+    )
+    for _ in range(3):
+        loss, _ = lma.step(x, y)
+        assert loss == opt.step(x, y).loss
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert LMA(sinc_model(hidden=2), [], solver="qr").optimizer.config.solver == "qr"
+    with pytest.raises(ValueError, match="dtype must be float32 or float64, got 'int32'"):
+        LMA(sinc_model(hidden=2), [], dtype="int32")
+    with pytest.raises(TypeError, match="solver must be a solver name or a callable, got 3"):
+        LMA(sinc_model(hidden=2), [], solver=3)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -35,6 +36,16 @@ def get_available_gpus() -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
 
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    """``numpy.float32``, ``"float64"``, ``torch.float32`` ... as a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = np.dtype(dtype).name
+    if name not in ("float32", "float64"):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+    return torch.float32 if name == "float32" else torch.float64
+
+
 class LMA:
     """cuPyLMA's optimizer interface over :class:`~secondorder.LevenbergMarquardt`.
 
@@ -48,6 +59,12 @@ class LMA:
         damping_start: initial λ.
         damping_up, damping_down: λ is multiplied by ``damping_up`` after a rejected
             attempt and by ``damping_down`` after an accepted step.
+        solver: cuPyLMA passes a NumPy-style ``solve(A, b)`` function here; such a
+            callable is accepted and not used (the step is solved by secondorder's
+            Cholesky, which raises λ when the factorisation fails instead of
+            throwing).  A string selects one of secondorder's solvers.
+        dtype: cuPyLMA's dtype of the normal matrix (``numpy.float32`` there); here it
+            sets ``gram_dtype``.  ``None`` keeps secondorder's default (float64).
         **options: any further :class:`~secondorder.config.LMConfig` field.
     """
 
@@ -60,8 +77,16 @@ class LMA:
         damping_start: float = 1e-3,
         damping_up: float = 10.0,
         damping_down: float = 0.1,
+        solver: str | Callable[..., Any] | None = None,
+        dtype: Any = None,
         **options: Any,
     ) -> None:
+        if isinstance(solver, str):
+            options.setdefault("solver", solver)
+        elif solver is not None and not callable(solver):
+            raise TypeError(f"solver must be a solver name or a callable, got {solver!r}")
+        if dtype is not None:
+            options.setdefault("gram_dtype", _torch_dtype(dtype))
         devs = list(devices) if devices is not None else []
         if len(devs) > 1:
             raise NotImplementedError(

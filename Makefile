@@ -31,8 +31,8 @@ bench-quick: $(VENV)/.bench
 	$(PY) -m secondorder bench --quick --json out/bench/bench_quick.json
 
 lint: venv
-	$(PY) -m ruff check secondorder tests
-	$(PY) -m ruff format --check secondorder tests
+	$(PY) -m ruff check secondorder tests examples
+	$(PY) -m ruff format --check secondorder tests examples
 
 typecheck: venv
 	$(PY) -m mypy
@@ -44,8 +44,8 @@ test-slow: venv
 	$(PY) -m pytest -q -m slow
 
 format: venv
-	$(PY) -m ruff format secondorder tests
-	$(PY) -m ruff check --fix secondorder tests
+	$(PY) -m ruff format secondorder tests examples
+	$(PY) -m ruff check --fix secondorder tests examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

@@ -7,21 +7,41 @@ counterpart for fitting the parameters of a model function.
 
 from . import damping, jacobian, linalg, residuals
 from .config import LMConfig
+from .curve_fit import (
+    FitReport,
+    correlation,
+    covariance,
+    curve_fit,
+    fit_report,
+    standard_errors,
+)
+from .fit import Callback, CSVLogger, History, TensorBoardLogger, fit
 from .least_squares import OptimizeResult, least_squares
 from .lm import LevenbergMarquardt, StepInfo
 from .residuals import ModelResidual
 
 __all__ = [
+    "CSVLogger",
+    "Callback",
+    "FitReport",
+    "History",
     "LMConfig",
     "LevenbergMarquardt",
     "ModelResidual",
     "OptimizeResult",
     "StepInfo",
+    "TensorBoardLogger",
+    "correlation",
+    "covariance",
+    "curve_fit",
     "damping",
+    "fit",
+    "fit_report",
     "jacobian",
     "least_squares",
     "linalg",
     "residuals",
+    "standard_errors",
 ]
 
 __version__ = "0.1.0"

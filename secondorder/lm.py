@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .config import LMConfig
 from .damping import DampingState, make_damping_matrix, make_damping_rule
-from .distributed import LocalReducer, Reducer
+from .distributed import Reducer, resolve_reducer
+from .distributed.solve import BroadcastSolver, ShardedCGSolver, ShardedNormalEquations
 from .engine import EngineConfig, iterate
 from .jacobian import JacobianStrategy, ResidualProgram, make_jacobian
 from .linalg import LinearSolver, NormalEquations, make_solver
@@ -166,6 +167,8 @@ class _ModelProblem:
         self.solver: LinearSolver = make_solver("cholesky")
         self.form = "primal"
         self.gram_dtype: torch.dtype | None = None
+        #: Whether the last linearisation gathered every rank's rows of J (dual, QR).
+        self.rows_gathered = False
         # Every place a trainable parameter lives, tied copies included: (module, attribute,
         # canonical name).  Evaluations swap tensors into these slots and restore the
         # original Parameter objects afterwards, so the user's references stay valid
@@ -236,6 +239,7 @@ class _ModelProblem:
         count = 0
         dual = self.form == "dual"
         store = dual or self.solver.needs_jacobian
+        distributed = self.reducer.world_size > 1
         with _frozen_batch_stats(self.model):
             for inputs, targets in self.slices():
                 J, r = self.strategy(self.program, params, inputs, targets)
@@ -255,17 +259,41 @@ class _ModelProblem:
         if gram is not None:
             # diag(JᵀJ) comes free with the Gram.
             col_sq = gram.diagonal().to(x.dtype).clone()
-        parts = [loss_sum, grad, col_sq] + ([gram] if gram is not None else [])
-        self.reducer.sum_(parts)
-        return NormalEquations(
-            loss_sum=loss_sum,
-            count=count,
+        # The residual count travels with the loss: exact in float64 below 2⁵³ entries.
+        tally = torch.stack([loss_sum, torch.tensor(float(count), dtype=wide, device=x.device)])
+        self.reducer.sum_([tally, grad, col_sq] + ([gram] if gram is not None else []))
+        jac = torch.cat(jacs) if store else None
+        residuals = torch.cat(res) if store else None
+        sharded_rows = bool(getattr(self.solver, "rows_sharded", False))
+        self.rows_gathered = distributed and store and not sharded_rows
+        if self.rows_gathered:
+            # The dual form and QR need every row of J: gather them, residuals riding
+            # along as a last column, in rank order (the order of the global batch).
+            assert jac is not None and residuals is not None
+            both = self.reducer.gather_rows(torch.cat([jac, residuals[:, None]], dim=1))
+            jac, residuals = both[:, :-1], both[:, -1]
+        if not distributed:
+            return NormalEquations(
+                loss_sum=tally[0],
+                count=count,
+                grad=grad,
+                col_sq=col_sq,
+                gram=gram,
+                jac=jac,
+                residuals=residuals,
+                dual=dual,
+            )
+        return ShardedNormalEquations(
+            loss_sum=tally[0],
+            count=int(tally[1]),
             grad=grad,
             col_sq=col_sq,
             gram=gram,
-            jac=torch.cat(jacs) if store else None,
-            residuals=torch.cat(res) if store else None,
+            jac=jac,
+            residuals=residuals,
             dual=dual,
+            reducer=self.reducer,
+            rows_sharded=store and sharded_rows,
         )
 
     def loss_sum(self, x: Tensor) -> Tensor:
@@ -301,6 +329,12 @@ class _ModelProblem:
                     (ct,) = vjp(f, params)[1](rvv)
                     b += torch.cat([ct[name].reshape(-1) for name in self.names]).detach()
         w = torch.cat(rvvs)
+        if self.rows_gathered:
+            # J holds every rank's rows: gather r_vv the same way, and Jᵀr_vv is then
+            # already the global product.
+            assert system.jac is not None
+            w = self.reducer.gather_rows(w[:, None])[:, 0]
+            return system.jac.T @ w.to(system.jac.dtype), w
         if system.jac is not None:
             b = system.jac.T @ w.to(system.jac.dtype)
         self.reducer.sum_([b])
@@ -334,7 +368,13 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         lr: scales every update.  1 is the LM step; below 1 damps it further.
         damping: the initial λ.
         devices: reserved for several devices in one process; only ``None`` now.
-        reducer: how partial sums meet (default: a single process).
+        reducer: how partial sums meet; a :class:`~secondorder.distributed.Reducer`.
+        process_group: a ``torch.distributed`` process group whose ranks train the
+            model together (see below).  Give ``reducer`` or ``process_group``, not
+            both.  With neither, the default group is used whenever
+            ``torch.distributed.is_initialized()``; otherwise the optimizer runs on
+            one process.  Pass ``reducer=LocalReducer()`` to train independent
+            models on the ranks of an initialised group.
         **options: every other field of :class:`~secondorder.config.LMConfig`
             (``damping_rule``, ``damping_matrix``, ``jacobian``, ``solver``, ``form``,
             ``max_attempts``, ``slice_size``, ``geodesic``, ``ftol``/``xtol``/``gtol``,
@@ -347,6 +387,29 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             info = opt.step(x, y)
             if info.terminated:
                 break
+
+    **Several processes.**  As with DDP and a ``DistributedSampler``, each rank
+    builds the same model and optimizer and passes its own shard of the global batch
+    to :meth:`step`; the result is the step a single process would take on the
+    concatenation of the shards, in rank order, up to rounding.  Losses, ``Jᵀr`` and
+    ``JᵀJ`` are summed across ranks, so acceptance and damping use the global loss
+    and every rank takes the same decisions.  Every rank solves the same summed
+    system and then uses rank 0's step, broadcast, so the parameters stay bitwise
+    identical on all ranks (:mod:`secondorder.distributed.process_group` explains
+    why).  The forms differ in what crosses the network per step: the primal form
+    sums the n×n Gram; ``solver="cg"`` keeps each rank's Jacobian rows where they
+    were computed and sums one n-vector per CG iteration; the dual form and
+    ``solver="qr"`` gather all m rows of J onto every rank
+    (:mod:`secondorder.distributed.solve`).  At construction the ranks check that
+    they hold the same parameter names, shapes and dtype and the same settings
+    (a :class:`ValueError` names what differs), and rank 0's parameter values are
+    broadcast to the others, as DDP does.  Buffers are not synchronised, and a
+    BatchNorm in training mode normalises with its own rank's shard, as under DDP
+    without ``SyncBatchNorm``; such a model matches the single-process run only in
+    eval mode.  Every rank must call :meth:`step` the same number of times with
+    at least one sample; a rank that dies makes the others raise
+    :class:`~secondorder.distributed.CollectiveError` within the process group's
+    ``timeout``.
     """
 
     def __init__(
@@ -357,6 +420,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         lr: float = 1.0,
         damping: float = 1e-3,
         reducer: Reducer | None = None,
+        process_group: Any = None,
         devices: list[Any] | None = None,
         **options: Any,
     ) -> None:
@@ -394,10 +458,12 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             raise ValueError(
                 f"model parameters must be on one device, got {sorted(map(str, devs))}"
             )
+        self.reducer = resolve_reducer(reducer, process_group)
+        if self.reducer.world_size > 1:
+            self._agree_across_ranks(named, residual_fn)
         super().__init__([p for _, p in named], {"lr": lr})
         self.model = model
         self.residual_fn = residual_fn
-        self.reducer = reducer if reducer is not None else LocalReducer()
         self._problem = _ModelProblem(
             model, residual_fn, [k for k, _ in named], [p for _, p in named], self.reducer
         )
@@ -420,6 +486,27 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         #: Jacobian strategies chosen by ``jacobian="auto"``, per input signature.
         self._auto_cache: dict[str, str] = {}
         self._validated: set[str] = set()
+
+    def _agree_across_ranks(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        residual_fn: Callable[..., Tensor] | ModelResidual,
+    ) -> None:
+        """Check that the ranks built the same optimizer; give them rank 0's parameters."""
+        settings: dict[str, Any] = {
+            "parameter names": [k for k, _ in named],
+            "parameter shapes": [tuple(p.shape) for _, p in named],
+            "parameter dtype": str(named[0][1].dtype),
+            "residual_fn": getattr(residual_fn, "__qualname__", type(residual_fn).__qualname__),
+        }
+        # slice_size and memory_budget only change how a rank walks its own shard.
+        local_only = ("slice_size", "memory_budget")
+        for key, value in asdict(self.config).items():
+            if key not in local_only:
+                settings[key] = str(value) if isinstance(value, torch.dtype) else value
+        self.reducer.check_agree(settings, "LevenbergMarquardt settings")
+        with torch.no_grad():
+            self.reducer.broadcast_([p.data for _, p in named])
 
     # -- properties --------------------------------------------------------------------
     @property
@@ -531,29 +618,52 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         size = min(batch, 64)
         inputs = _slice(prob.inputs, 0, size)
         targets = None if prob.targets is None else _slice(prob.targets, 0, size)
-        best, best_t = "reverse", float("inf")
+        names = ("reverse", "forward")
+        elapsed = torch.zeros(len(names), dtype=torch.float64, device=prob.params[0].device)
         with _frozen_batch_stats(self.model):
-            for name in ("reverse", "forward"):
+            for i, name in enumerate(names):
                 strategy = make_jacobian(name)
                 strategy(prob.program, params, inputs, targets)  # warm-up
                 t0 = time.perf_counter()
                 strategy(prob.program, params, inputs, targets)
-                elapsed = time.perf_counter() - t0
-                if elapsed < best_t:
-                    best, best_t = name, elapsed
-        return best
+                elapsed[i] = time.perf_counter() - t0
+        # With several ranks, the summed timings make every rank choose the same mode.
+        self.reducer.sum_([elapsed])
+        return names[1] if bool(elapsed[1] < elapsed[0]) else names[0]
 
-    def _configure(self, batch: int, m: int, inputs: Any, slice_size: int | None = None) -> None:
+    def _configure(
+        self,
+        batch: int,
+        m: int,
+        inputs: Any,
+        slice_size: int | None = None,
+        m_total: int | None = None,
+    ) -> None:
+        """Choose form, solver, Jacobian strategy and slice size for this batch.
+
+        ``m`` counts this rank's residuals, ``m_total`` those of every rank (the
+        same on one process); form and solver follow the global problem, so every
+        rank chooses alike.
+        """
         cfg, prob, n = self.config, self._problem, self._problem.n
-        dual = cfg.form == "dual" or (cfg.form == "auto" and m < n and cfg.solver != "cg")
+        m_all = m if m_total is None else m_total
+        dual = cfg.form == "dual" or (cfg.form == "auto" and m_all < n and cfg.solver != "cg")
         solver = cfg.solver
         if solver == "auto":
-            solver = "cholesky" if (m if dual else n) <= 8192 else "cg"
+            solver = "cholesky" if (m_all if dual else n) <= 8192 else "cg"
             if solver == "cg" and dual:
                 dual = False
         prob.form = "dual" if dual else "primal"
         prob.gram_dtype = cfg.gram_dtype
-        prob.solver = make_solver(solver, cfg.gram_dtype, cfg.cg_rtol, cfg.cg_max_iter)
+        if self.reducer.world_size > 1:
+            inner = (
+                ShardedCGSolver(self.reducer, cfg.cg_rtol, cfg.cg_max_iter)
+                if solver == "cg"
+                else make_solver(solver, cfg.gram_dtype, cfg.cg_rtol, cfg.cg_max_iter)
+            )
+            prob.solver = BroadcastSolver(inner, self.reducer)
+        else:
+            prob.solver = make_solver(solver, cfg.gram_dtype, cfg.cg_rtol, cfg.cg_max_iter)
         name = self._choose_jacobian(batch, m, self._signature(inputs, m))
         k = max(1, m // batch)
         slice_size = slice_size if slice_size is not None else cfg.slice_size
@@ -576,17 +686,10 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         are exactly as before.
         """
         t_start = time.perf_counter()
-        if slice_size is not None and (
-            isinstance(slice_size, bool) or not isinstance(slice_size, int) or slice_size < 1
-        ):
-            raise ValueError(f"Invalid slice_size={slice_size!r}: must be an integer >= 1.")
-        batch, m = self._validate(inputs, targets)
+        batch, m, m_total, lr = self._check_step(inputs, targets, slice_size)
         prob = self._problem
         prob.inputs, prob.targets, prob.batch_size = inputs, targets, batch
-        self._configure(batch, m, inputs, slice_size)
-        lr = float(self.param_groups[0]["lr"])
-        if not lr > 0:
-            raise ValueError(f"Invalid lr={lr!r} in param_groups[0]: must be > 0.")
+        self._configure(batch, m, inputs, slice_size, m_total)
         with torch.no_grad():
             x = torch.cat([p.detach().reshape(-1) for p in prob.params])
         system = prob.linearize(x)
@@ -662,6 +765,48 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             },
             **base,
         )
+
+    def _check_step(
+        self, inputs: Any, targets: Any, slice_size: int | None
+    ) -> tuple[int, int, int, float]:
+        """Validate the arguments of :meth:`step`: (batch, residuals, all ranks' residuals, lr).
+
+        With several ranks, one small all-reduce tells every rank whether any rank's
+        batch was rejected, so that all of them raise (the rejecting rank its own
+        error) instead of leaving the others waiting in the next collective.
+        """
+        error: Exception | None = None
+        batch = m = 0
+        lr = 0.0
+        try:
+            if slice_size is not None and (
+                isinstance(slice_size, bool) or not isinstance(slice_size, int) or slice_size < 1
+            ):
+                raise ValueError(f"Invalid slice_size={slice_size!r}: must be an integer >= 1.")
+            batch, m = self._validate(inputs, targets)
+            lr = float(self.param_groups[0]["lr"])
+            if not lr > 0:
+                raise ValueError(f"Invalid lr={lr!r} in param_groups[0]: must be > 0.")
+        except Exception as exc:
+            if self.reducer.world_size == 1:
+                raise
+            error = exc
+        if self.reducer.world_size == 1:
+            return batch, m, m, lr
+        world = self.reducer.world_size
+        tally = torch.zeros(world + 1, dtype=torch.float64, device=self._problem.params[0].device)
+        tally[self.reducer.rank] = 1.0 if error is not None else 0.0
+        tally[world] = float(m)
+        self.reducer.sum_([tally])
+        if error is not None:
+            raise error
+        failed = [i for i in range(world) if bool(tally[i] > 0)]
+        if failed:
+            raise ValueError(
+                f"step() rejected the batch on rank(s) {failed} of {world}; see the error "
+                "raised there. No rank changed its parameters."
+            )
+        return batch, m, int(tally[world]), lr
 
     def _write(self, x: Tensor) -> None:
         with torch.no_grad():

@@ -3,30 +3,64 @@
 The numerics never call ``torch.distributed``; they hand their partial normal
 equations to a reducer.  On one process the reducer is :class:`LocalReducer`, which
 does nothing, so the single-process path and a distributed path run the same code.
+Across processes it is :class:`ProcessGroupReducer`, which turns each request into a
+collective over a ``torch.distributed`` process group.
+
+A reducer offers four operations, each a collective that every participant must call
+in the same order:
+
+* :meth:`Reducer.sum_`: replace tensors by their sums over all participants (the
+  loss, ``Jᵀr``, ``diag(JᵀJ)``, the Gram, CG matrix-vector products);
+* :meth:`Reducer.broadcast_`: overwrite tensors with the root's (participant 0's)
+  copy, so that a value computed everywhere is identical everywhere by construction;
+* :meth:`Reducer.gather_rows`: concatenate every participant's rows in rank order
+  (the Jacobian rows of the dual form and of QR, which need all of J);
+* :meth:`Reducer.check_agree`: verify that settings that must be equal are equal,
+  and raise an error naming the ones that differ.
+
+:mod:`secondorder.distributed.solve` holds the linear algebra that runs on top of a
+reducer: the matrix-free CG whose products are summed across ranks, and the wrapper
+that makes every rank take the root's step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
-from torch import Tensor
+import torch
 
-__all__ = ["LocalReducer", "Reducer"]
+from .process_group import CollectiveError, ProcessGroupReducer
+from .reducer import LocalReducer, Reducer
 
-
-class Reducer:
-    """Sums tensors across whatever holds other shares of the batch."""
-
-    #: Number of participants whose shares are summed (1 on a single process).
-    world_size: int = 1
-
-    def sum_(self, tensors: Sequence[Tensor]) -> None:
-        """Replace each tensor in place by its sum over all participants."""
-        raise NotImplementedError
+__all__ = ["CollectiveError", "LocalReducer", "ProcessGroupReducer", "Reducer", "resolve_reducer"]
 
 
-class LocalReducer(Reducer):
-    """The single-process reducer: every share is already the whole."""
+def resolve_reducer(reducer: Reducer | None, process_group: Any = None) -> Reducer:
+    """The reducer an optimizer uses, from its ``reducer`` and ``process_group`` arguments.
 
-    def sum_(self, tensors: Sequence[Tensor]) -> None:  # noqa: D102
-        return None
+    * ``reducer`` given: that reducer (``process_group`` must then be ``None``).
+    * ``process_group`` given: a :class:`ProcessGroupReducer` over that group.
+    * neither, and ``torch.distributed`` is initialized: a :class:`ProcessGroupReducer`
+      over the default group, so a script launched with ``torchrun`` that calls
+      ``init_process_group`` trains one model on the union of the ranks' batches,
+      as DDP would.  Pass ``reducer=LocalReducer()`` to train independent models on
+      each rank instead.
+    * otherwise: a :class:`LocalReducer`.
+    """
+    if reducer is not None and process_group is not None:
+        raise ValueError(
+            f"pass either reducer= or process_group=, not both (got reducer={reducer!r} and "
+            f"process_group={process_group!r})"
+        )
+    if reducer is not None:
+        if not isinstance(reducer, Reducer):
+            raise TypeError(
+                f"reducer must be a secondorder.distributed.Reducer, got "
+                f"{type(reducer).__name__}: {reducer!r}"
+            )
+        return reducer
+    if process_group is not None:
+        return ProcessGroupReducer(process_group)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return ProcessGroupReducer(None)
+    return LocalReducer()

@@ -239,7 +239,9 @@ class _FunctionProblem:
         if self.last is not None and torch.equal(self.last[0], y):
             return self.last[1]
         self.nfev += 1
-        f = self.fun(self.bounds.to_x(y))
+        # Values only: a fun closing over tensors that require grad must not drag a
+        # graph along (autograd is used inside the Jacobian transforms alone).
+        f = self.fun(self.bounds.to_x(y)).detach()
         self.last = (y.clone(), f)
         return f
 
@@ -249,7 +251,7 @@ class _FunctionProblem:
 
     def linearize(self, y: Tensor, f: Tensor) -> NormalEquations:
         self.njev += 1
-        J = self.jac(self.bounds.to_x(y))
+        J = self.jac(self.bounds.to_x(y)).detach()
         r, Js = f, J
         self.row_scale = None
         if self.loss != "linear":
@@ -315,7 +317,7 @@ class _FunctionProblem:
                 return torch.zeros_like(system.grad), torch.zeros_like(system.jac[:, 0])
             h = torch.finfo(y.dtype).eps ** 0.25 * max(1.0, float(torch.linalg.vector_norm(y)))
             t = h / vnorm
-            rvv = (f(y + t * v) - 2.0 * f(y) + f(y - t * v)) / (t * t)
+            rvv = ((f(y + t * v) - 2.0 * f(y) + f(y - t * v)) / (t * t)).detach()
         if self.row_scale is not None:
             # The rows of J were rescaled for the robust loss; rescale r_vv alike.
             rvv = rvv * self.row_scale
@@ -359,7 +361,10 @@ def _as_bounds(bounds: Any, n: int) -> tuple[Tensor, Tensor]:
         raise ValueError(f"bounds must be a pair (lb, ub), got {bounds!r}")
     out = []
     for name, b in zip(("lb", "ub"), bounds, strict=True):
-        t = torch.as_tensor(np.asarray(b, dtype=np.float64), dtype=torch.float64)
+        try:
+            t = torch.as_tensor(np.asarray(b, dtype=np.float64), dtype=torch.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bounds {name} must be numbers, got {b!r}") from exc
         if t.ndim == 0:
             t = t.expand(n).clone()
         if t.shape != (n,):
@@ -442,9 +447,21 @@ def least_squares(
     Returns:
         An :class:`OptimizeResult` with scipy's fields.
     """
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of extra arguments of fun, got {args!r}")
+    if not isinstance(geodesic, bool):
+        raise TypeError(f"geodesic must be a bool, got {geodesic!r}")
     kwargs = dict(kwargs or {})
     if not callable(fun):
         raise TypeError(f"fun must be callable, got {fun!r}")
+    if (isinstance(x0, Tensor) and x0.is_complex()) or (
+        not isinstance(x0, Tensor) and np.iscomplexobj(x0)
+    ):
+        raise ValueError(f"x0 must be real, got a complex array {x0!r}")
+    if isinstance(x0, Tensor) and x0.device.type != "cpu":
+        raise ValueError(
+            f"x0 is on device {x0.device}; least_squares runs on the CPU: pass x0.cpu()"
+        )
     numpy_in = not isinstance(x0, Tensor)
     try:
         x_start = torch.as_tensor(np.asarray(x0, dtype=np.float64)) if numpy_in else x0
@@ -495,14 +512,21 @@ def least_squares(
 
     def f_torch(x: Tensor) -> Tensor:
         if numpy_fun:
-            out = np.asarray(fun(x.detach().numpy(), *args, **kwargs), dtype=np.float64)
+            raw = np.asarray(fun(x.detach().numpy(), *args, **kwargs))
+            if not np.issubdtype(raw.dtype, np.floating):
+                raise TypeError(
+                    f"fun must return real floating-point residuals, got dtype {raw.dtype}"
+                )
+            out = raw.astype(np.float64)
             return torch.from_numpy(out.reshape(-1).copy())
         res = fun(x, *args, **kwargs)
         if not isinstance(res, Tensor):
             raise TypeError(f"fun returned {type(res).__name__}, expected a tensor")
+        if not res.is_floating_point():
+            raise TypeError(f"fun must return real floating-point residuals, got {res.dtype}")
         return res.reshape(-1).to(torch.float64)
 
-    f0 = f_torch(x_start)
+    f0 = f_torch(x_start).detach()
     if f0.numel() == 0:
         raise ValueError("fun returned no residuals at x0")
     if not bool(torch.isfinite(f0).all()):
@@ -515,13 +539,16 @@ def least_squares(
 
         def user_jac_fn(x: Tensor) -> Tensor:
             arg: Any = x.detach().numpy() if numpy_fun else x
-            J = torch.as_tensor(
-                np.asarray(user_jac(arg, *args, **kwargs), dtype=np.float64)
-                if numpy_fun
-                else user_jac(arg, *args, **kwargs)
-            )
-            J = J.to(torch.float64).reshape(m, n)
-            return J
+            raw = user_jac(arg, *args, **kwargs)
+            if raw is None:
+                raise ValueError("jac returned None; expected an (m, n) array")
+            J = torch.as_tensor(np.asarray(raw, dtype=np.float64) if numpy_fun else raw)
+            if tuple(J.shape) != (m, n):
+                raise ValueError(
+                    f"jac returned shape {tuple(J.shape)}; expected (m, n) = ({m}, {n}) "
+                    "(residuals by parameters)"
+                )
+            return J.to(torch.float64)
 
         jac_fn = user_jac_fn
     elif numpy_fun or jac in ("2-point", "3-point"):
@@ -596,7 +623,7 @@ def least_squares(
             system = problem.linearize(y, problem.residuals(y))
 
     x = bnds.to_x(y).detach()
-    f = f_torch(x)
+    f = f_torch(x).detach()
     J = jac_fn(x).detach()
     cost2 = problem._cost2(f)
     rho1 = torch.ones_like(f) if loss == "linear" else _rho(loss, (f / f_scale) ** 2)[1]

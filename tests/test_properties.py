@@ -537,16 +537,6 @@ def test_min_gain_ratio_of_the_wrong_type_names_the_option():
         so.LevenbergMarquardt(nn.Linear(2, 1), min_gain_ratio="0.1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: least_squares reshapes a callable jac's result with "
-    "J.reshape(m, n) (least_squares.py, user_jac_fn) without checking its shape: a "
-    "transposed (n, m) Jacobian is silently scrambled into (m, n) and the fit reports "
-    "success=True at a wrong x (relative error 1.0 against lstsq here); a (m-1, n) one "
-    "raises torch's raw \"shape '[8, 3]' is invalid for input of size 21\", and None "
-    "raises 'Could not infer dtype of NoneType'. Require shape (m, n) and raise a "
-    "ValueError naming jac and the shapes.",
-)
 @pytest.mark.parametrize("kind", ["transposed", "short", "none"])
 def test_least_squares_callable_jac_of_the_wrong_shape_is_refused(kind):
     g = _rng(0)
@@ -557,15 +547,6 @@ def test_least_squares_callable_jac_of_the_wrong_shape_is_refused(kind):
         so.least_squares(lambda x: A @ x - b, torch.zeros(3, dtype=F64), jac=lambda x: bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: least_squares accepts residuals that are not real floating point: "
-    "fun returning an integer tensor is cast to float64 (f_torch) and its Jacobian is "
-    "identically zero, so the fit stops at x0 with success=True, status 1 (gtol); complex "
-    "residuals lose their imaginary part (with only torch's 'Casting complex values to "
-    "real' UserWarning). Raise a TypeError naming fun, as scipy does for complex x0 "
-    '("x0 must be real").',
-)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.complex128])
 def test_least_squares_refuses_non_real_residuals(dtype):
     A = torch.tensor([[2.0, 1.0], [1.0, 3.0], [0.0, 1.0]], dtype=F64)
@@ -574,13 +555,6 @@ def test_least_squares_refuses_non_real_residuals(dtype):
         so.least_squares(lambda x: ((A @ x - b) * 10).to(dtype), torch.zeros(2, dtype=F64))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: least_squares casts a complex x0 to float64 and drops its "
-    "imaginary part (torch UserWarning / NumPy ComplexWarning, errors under -W error) "
-    "instead of raising; scipy.optimize.least_squares raises ValueError('`x0` must be "
-    "real.'). Refuse complex x0 with a ValueError naming x0.",
-)
 @pytest.mark.parametrize("kind", ["tensor", "numpy"])
 def test_least_squares_refuses_complex_x0(kind):
     x0 = torch.tensor([1 + 1j, 2.0]) if kind == "tensor" else np.array([1 + 1j, 2.0])
@@ -592,16 +566,6 @@ def test_least_squares_refuses_complex_x0(kind):
         so.least_squares(fun, x0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: least_squares does not detach what fun returns; a fun that closes "
-    "over a tensor with requires_grad=True (a model parameter, a fitted input) returns "
-    "residuals with a graph, and least_squares.py converts the loss with float(...) "
-    "('history = [0.5 * float(system.loss_sum)]'), which makes torch warn 'Converting a "
-    "tensor with requires_grad=True to a scalar may lead to unexpected behavior' - an "
-    "error under -W error (this project's pytest setting). Detach the residuals used for "
-    "values (f_torch) and keep autograd only inside the Jacobian transforms.",
-)
 def test_least_squares_with_a_fun_closing_over_a_tensor_that_requires_grad():
     g = _rng(0)
     W = torch.randn(8, 3, generator=g, dtype=F64).requires_grad_(True)
@@ -612,15 +576,6 @@ def test_least_squares_with_a_fun_closing_over_a_tensor_that_requires_grad():
     assert W.grad is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: least_squares validates neither args nor geodesic nor the "
-    "element type of bounds: args=5 raises Python's raw 'Value after * must be an iterable, "
-    "not int'; bounds=('a', 'b') raises NumPy's 'could not convert string to float: 'a''; "
-    "geodesic='no' is accepted and turns geodesic acceleration on (LMConfig refuses a "
-    "non-bool geodesic with 'geodesic must be a bool'). Raise TypeError/ValueError naming "
-    "the argument.",
-)
 @pytest.mark.parametrize(
     ("name", "value"), [("args", 5), ("bounds", ("a", "b")), ("geodesic", "no")]
 )
@@ -629,13 +584,6 @@ def test_least_squares_argument_types_are_checked(name, value):
         so.least_squares(lambda x: x - 1, torch.zeros(2, dtype=F64), **{name: value})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: least_squares does not check x0's device; an x0 on another device "
-    "(meta here, the only non-CPU device on a CPU machine) fails deep inside torch with "
-    "'Tensor.item() cannot be called on meta tensors'. Refuse unsupported devices with a "
-    "ValueError naming x0 (or run on x0's device).",
-)
 def test_least_squares_x0_on_another_device_names_x0():
     with pytest.raises(ValueError, match="x0"):
         so.least_squares(lambda x: x - 1, torch.zeros(2, dtype=F64, device="meta"))

@@ -134,6 +134,12 @@ class LMConfig:
         if not isinstance(self.geodesic, bool):
             raise TypeError(f"geodesic must be a bool, got {self.geodesic!r}")
         _positive("geodesic_alpha", self.geodesic_alpha)
+        if isinstance(self.min_gain_ratio, bool) or not isinstance(
+            self.min_gain_ratio, (int, float)
+        ):
+            raise TypeError(
+                f"Invalid min_gain_ratio={self.min_gain_ratio!r}: must be a number in [0, 1)."
+            )
         if not (0.0 <= self.min_gain_ratio < 1.0):
             raise ValueError(f"Invalid min_gain_ratio={self.min_gain_ratio!r}: must be in [0, 1).")
         for name in ("ftol", "xtol", "gtol"):

@@ -13,6 +13,7 @@ them untouched.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -858,14 +859,32 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                 f"{state_dict['parameter_shapes']}, but this optimizer has {self._problem.n} "
                 f"of shapes {shapes}"
             )
+        # Validate every field before assigning any, so a malformed checkpoint
+        # leaves the optimizer exactly as it was.
+        damping, nu, steps, lrs = (state_dict[k] for k in ("damping", "nu", "steps", "lr"))
+        for name, value in (("damping", damping), ("nu", nu)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(f"state_dict has {name}={value!r}: must be a finite number >= 0")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"state_dict has steps={steps!r}: must be an integer >= 0")
+        if not isinstance(lrs, (list, tuple)) or len(lrs) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has lr={lrs!r}: must hold one value per parameter group "
+                f"({len(self.param_groups)})"
+            )
         scale = state_dict["scale"]
         p0 = self._problem.params[0]
         self._damping = DampingState(
-            damping=float(state_dict["damping"]),
-            nu=float(state_dict["nu"]),
+            damping=float(damping),
+            nu=float(nu),
             scale=None if scale is None else scale.to(device=p0.device, dtype=p0.dtype),
         )
-        self._steps = int(state_dict["steps"])
-        for group, lr in zip(self.param_groups, state_dict["lr"], strict=True):
+        self._steps = steps
+        for group, lr in zip(self.param_groups, lrs, strict=True):
             group["lr"] = lr
         self._auto_cache = dict(state_dict["auto_jacobian"])

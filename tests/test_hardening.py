@@ -780,14 +780,6 @@ def test_checkpoint_missing_a_key_is_refused_naming_it(key):
         opt.load_state_dict(sd)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: LevenbergMarquardt.load_state_dict accepts damping=nan or inf "
-    "(and negative) without validation, although the constructor refuses them "
-    "('Invalid damping=...'); after loading damping=nan every later step ends '10 "
-    "attempts exhausted; last: linear solve failed at damping nan' for ever. Validate "
-    "damping, nu, steps and lr in load_state_dict as LMConfig does.",
-)
 @pytest.mark.parametrize("damping", [math.nan, math.inf])
 def test_checkpoint_with_a_non_finite_damping_is_refused(damping):
     opt = so.LevenbergMarquardt(mlp())
@@ -795,15 +787,6 @@ def test_checkpoint_with_a_non_finite_damping_is_refused(damping):
         opt.load_state_dict({**opt.state_dict(), "damping": damping})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: LevenbergMarquardt.load_state_dict is not atomic: it assigns "
-    "self._damping and self._steps before it converts 'steps' and zips 'lr' with "
-    "param_groups, so a malformed checkpoint (lr list of the wrong length, steps='x') "
-    "raises a raw 'zip() argument 2 is longer than argument 1' / int() ValueError after "
-    "λ and the step count were already overwritten. Validate every field first, then "
-    "assign.",
-)
 @pytest.mark.parametrize("bad", [{"lr": [1.0, 2.0]}, {"steps": "x"}])
 def test_failed_load_state_dict_changes_nothing(bad):
     x, y = sine_data(16)

@@ -525,13 +525,6 @@ def test_targets_on_another_device_are_refused_naming_targets():
         cls(model).step(x, y.to("meta"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: LMConfig.__post_init__ checks min_gain_ratio with "
-    "`0.0 <= self.min_gain_ratio < 1.0` and no type check, so min_gain_ratio='0.1' raises "
-    "Python's raw TypeError \"'<=' not supported between instances of 'float' and 'str'\", "
-    "which does not name the option. Check the type first, as _positive does.",
-)
 def test_min_gain_ratio_of_the_wrong_type_names_the_option():
     with pytest.raises(TypeError, match="min_gain_ratio"):
         so.LevenbergMarquardt(nn.Linear(2, 1), min_gain_ratio="0.1")

@@ -385,6 +385,12 @@ def _as_bounds(bounds: Any, n: int) -> tuple[Tensor, Tensor]:
     return lb, ub
 
 
+def _finite_system(system: NormalEquations) -> bool:
+    """Whether the linearisation holds finite numbers only (J, Jᵀr, column norms)."""
+    parts = [system.grad, system.col_sq] + ([system.jac] if system.jac is not None else [])
+    return all(bool(torch.isfinite(t).all()) for t in parts)
+
+
 def _check_positive(name: str, value: float, allow_zero: bool = True) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
@@ -589,6 +595,8 @@ def least_squares(
     y = bnds.to_y(x_start)
     f = problem.residuals(y)
     system = problem.linearize(y, f)
+    if not _finite_system(system):
+        raise ValueError("The Jacobian (jac) is not finite at x0; cannot take a step.")
     status, reason = 0, ""
     history = [0.5 * float(system.loss_sum)]
     while True:
@@ -621,6 +629,10 @@ def least_squares(
             break
         if out.accepted:
             system = problem.linearize(y, problem.residuals(y))
+            if not _finite_system(system):
+                # No linear model here: stop without claiming convergence.
+                status, reason = -1, "the Jacobian (jac) is not finite at the current point"
+                break
 
     x = bnds.to_x(y).detach()
     f = f_torch(x).detach()
@@ -646,7 +658,7 @@ def least_squares(
         nfev=problem.nfev,
         njev=problem.njev,
         status=status,
-        message=MESSAGES[status],
+        message=reason if status == -1 else MESSAGES[status],
         success=status > 0,
         damping=state.damping,
         reason=reason,

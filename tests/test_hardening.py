@@ -358,17 +358,6 @@ def _nan_jacobian_everywhere(x: Tensor) -> Tensor:
     return x - 1 + 0.0 * torch.sqrt(x - x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: least_squares never checks that J is finite. engine._gtol_cosine "
-    "drops every column whose norm is NaN (nz = colnorm > 0 is False for NaN), finds no "
-    "column left and returns 0 <= gtol, so a NaN Jacobian is reported as success=True, "
-    "status 1 ('gtol termination condition is satisfied'): at x0 for x - 1 + 0·sqrt(x - x) "
-    "(cost 0.5, minimum 0), and at the first accepted iterate x = 0.77 for (x-2)³ + (x-2) "
-    "(cost 4.8, minimum 0 at x = 2) with optimality=nan. Raise ValueError for a non-finite "
-    "J at x0, and treat a non-finite J later as a failed linearisation (success False), "
-    "e.g. make _gtol_cosine return inf when grad or col_sq is not finite.",
-)
 @pytest.mark.parametrize("fun", [_nan_jacobian_everywhere, _nan_jacobian_away_from_zero])
 @pytest.mark.parametrize("solver", ["qr", "cholesky"])
 def test_least_squares_never_reports_success_with_a_nan_jacobian(fun, solver):

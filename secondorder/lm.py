@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .config import LMConfig
 from .damping import DampingState, make_damping_matrix, make_damping_rule
 from .distributed import Reducer, resolve_reducer
+from .distributed.devices import DeviceGroup, replicate_module, resolve_devices, sync_replica
 from .distributed.solve import BroadcastSolver, ShardedCGSolver, ShardedNormalEquations
 from .engine import EngineConfig, iterate
 from .jacobian import JacobianStrategy, ResidualProgram, make_jacobian
@@ -95,6 +96,10 @@ def _slice(tree: Any, start: int, stop: int) -> Any:
     return tree_map(lambda t: t[start:stop] if isinstance(t, Tensor) else t, tree)
 
 
+def _to_device(tree: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, tree)
+
+
 def _unsqueeze(tree: Any) -> Any:
     return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, tree)
 
@@ -135,8 +140,71 @@ def _frozen_batch_stats(model: nn.Module) -> Iterator[None]:
             m.track_running_stats = True
 
 
+class _Evaluator:
+    """Functional evaluation of one copy of the model: the user's, or a device replica.
+
+    Evaluations swap tensors into the copy's parameter slots for the duration of one
+    call, so the same module serves any point ``x``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        residual_fn: Callable[..., Tensor] | ModelResidual,
+        names: list[str],
+    ) -> None:
+        self.model = model
+        self.residual_fn = residual_fn
+        # Every place a trainable parameter lives, tied copies included: (module, attribute,
+        # canonical name).  Evaluations swap tensors into these slots and restore the
+        # original Parameter objects afterwards, so the user's references stay valid
+        # (torch.func.functional_call replaces tied parameters by new objects).
+        own = dict(model.named_parameters())
+        canonical = {id(own[name]): name for name in names}
+        self.slots = [
+            (module, attr, canonical[id(p)])
+            for _, module in model.named_modules(remove_duplicate=False)
+            for attr, p in module._parameters.items()
+            if p is not None and id(p) in canonical
+        ]
+        self.program = ResidualProgram(
+            per_sample=None if isinstance(residual_fn, ModelResidual) else self.per_sample,
+            batch=self.batch,
+            order=tuple(names),
+        )
+
+    def call(self, params: dict[str, Tensor], inputs: Any) -> Tensor:
+        originals = [module._parameters[attr] for module, attr, _ in self.slots]
+        try:
+            for module, attr, name in self.slots:
+                module._parameters[attr] = params[name]
+            out: Tensor = self.model(inputs)
+        finally:
+            for (module, attr, _), original in zip(self.slots, originals, strict=True):
+                module._parameters[attr] = original
+        return out
+
+    def batch(self, params: dict[str, Tensor], inputs: Any, targets: Any) -> Tensor:
+        if isinstance(self.residual_fn, ModelResidual):
+            r = self.residual_fn.fn(lambda z: self.call(params, z), inputs, targets)
+        else:
+            r = self.residual_fn(self.call(params, inputs), targets)
+        return r.reshape(-1)
+
+    def per_sample(self, params: dict[str, Tensor], x: Any, y: Any) -> Tensor:
+        assert not isinstance(self.residual_fn, ModelResidual)
+        out = self.call(params, _unsqueeze(x))
+        r = self.residual_fn(out, _unsqueeze(y) if y is not None else None)
+        return r.reshape(-1)
+
+
 class _ModelProblem:
-    """The residuals of ``residual_fn(model(inputs), targets)`` as functions of a flat x."""
+    """The residuals of ``residual_fn(model(inputs), targets)`` as functions of a flat x.
+
+    ``group`` says where slices are computed: slice ``i`` on entry ``i mod D`` of the
+    group, by ``replicas[i mod D]``; the flat point ``x`` and every reduced quantity
+    live on the group's solver device.
+    """
 
     def __init__(
         self,
@@ -145,6 +213,8 @@ class _ModelProblem:
         names: list[str],
         params: list[nn.Parameter],
         reducer: Reducer,
+        group: DeviceGroup | None = None,
+        replicas: list[nn.Module] | None = None,
     ) -> None:
         self.model = model
         self.residual_fn = residual_fn
@@ -155,11 +225,15 @@ class _ModelProblem:
         self.n = sum(self.numels)
         self.reducer = reducer
         self.coupled_residual = isinstance(residual_fn, ModelResidual)
-        self.program = ResidualProgram(
-            per_sample=None if self.coupled_residual else self._per_sample,
-            batch=self._batch,
-            order=tuple(names),
+        self.group = (
+            group if group is not None else DeviceGroup([params[0].device], params[0].device)
         )
+        modules = replicas if replicas is not None else [model]
+        self.replicas = [_Evaluator(m, residual_fn, names) for m in modules]
+        homes = [e for e in self.replicas if e.model is model]
+        #: The user's model, whose parameters are the optimizer's state.
+        self.home = homes[0] if homes else _Evaluator(model, residual_fn, names)
+        self.program = self.home.program
         self.inputs: Any = None
         self.targets: Any = None
         self.batch_size = 0
@@ -170,17 +244,6 @@ class _ModelProblem:
         self.gram_dtype: torch.dtype | None = None
         #: Whether the last linearisation gathered every rank's rows of J (dual, QR).
         self.rows_gathered = False
-        # Every place a trainable parameter lives, tied copies included: (module, attribute,
-        # canonical name).  Evaluations swap tensors into these slots and restore the
-        # original Parameter objects afterwards, so the user's references stay valid
-        # (torch.func.functional_call replaces tied parameters by new objects).
-        canonical = {id(p): name for name, p in zip(names, params, strict=True)}
-        self.slots = [
-            (module, attr, canonical[id(p)])
-            for _, module in model.named_modules(remove_duplicate=False)
-            for attr, p in module._parameters.items()
-            if p is not None and id(p) in canonical
-        ]
 
     # -- functional evaluation --------------------------------------------------------
     def unflatten(self, x: Tensor) -> dict[str, Tensor]:
@@ -192,28 +255,21 @@ class _ModelProblem:
         }
 
     def _call(self, params: dict[str, Tensor], inputs: Any) -> Tensor:
-        originals = [module._parameters[attr] for module, attr, _ in self.slots]
-        try:
-            for module, attr, name in self.slots:
-                module._parameters[attr] = params[name]
-            out: Tensor = self.model(inputs)
-        finally:
-            for (module, attr, _), original in zip(self.slots, originals, strict=True):
-                module._parameters[attr] = original
-        return out
+        return self.home.call(params, inputs)
 
     def _batch(self, params: dict[str, Tensor], inputs: Any, targets: Any) -> Tensor:
-        if isinstance(self.residual_fn, ModelResidual):
-            r = self.residual_fn.fn(lambda z: self._call(params, z), inputs, targets)
-        else:
-            r = self.residual_fn(self._call(params, inputs), targets)
-        return r.reshape(-1)
+        return self.home.batch(params, inputs, targets)
 
-    def _per_sample(self, params: dict[str, Tensor], x: Any, y: Any) -> Tensor:
-        assert not isinstance(self.residual_fn, ModelResidual)
-        out = self._call(params, _unsqueeze(x))
-        r = self.residual_fn(out, _unsqueeze(y) if y is not None else None)
-        return r.reshape(-1)
+    def _frozen(self) -> contextlib.ExitStack:
+        """:func:`_frozen_batch_stats` on every copy of the model."""
+        stack = contextlib.ExitStack()
+        for m in dict.fromkeys(e.model for e in self.replicas):
+            stack.enter_context(_frozen_batch_stats(m))
+        return stack
+
+    def _points(self, x: Tensor) -> list[dict[str, Tensor]]:
+        """``x`` unflattened on each entry's device."""
+        return [self.unflatten(xk) for xk in self.group.replicate(x)]
 
     def slices(self) -> Iterator[tuple[Any, Any]]:
         if not self.strategy.per_sample:
@@ -228,35 +284,46 @@ class _ModelProblem:
 
     # -- the Problem protocol -----------------------------------------------------------
     def linearize(self, x: Tensor) -> NormalEquations:
-        params = self.unflatten(x)
+        group = self.group
         n = self.n
         wide = torch.float64
         loss_sum = torch.zeros((), dtype=wide, device=x.device)
         grad = torch.zeros(n, dtype=x.dtype, device=x.device)
         col_sq = torch.zeros(n, dtype=x.dtype, device=x.device)
-        gram: Tensor | None = None
+        # One partial Gram per device entry, summed on the solver device at the end.
+        grams: list[Tensor | None] = [None] * len(group)
         jacs: list[Tensor] = []
         res: list[Tensor] = []
         count = 0
         dual = self.form == "dual"
         store = dual or self.solver.needs_jacobian
         distributed = self.reducer.world_size > 1
-        with _frozen_batch_stats(self.model):
-            for inputs, targets in self.slices():
-                J, r = self.strategy(self.program, params, inputs, targets)
-                J = J.detach()
-                r = r.detach()
-                count += r.numel()
-                loss_sum += torch.dot(r.to(wide), r.to(wide))
-                grad += J.T @ r
+        points = self._points(x)
+        with self._frozen():
+            for k, inputs, targets in group.stage(self.slices()):
+                with group.on(k):
+                    J, r = self.strategy(self.replicas[k].program, points[k], inputs, targets)
+                    J = J.detach()
+                    r = r.detach()
+                    count += r.numel()
+                    part_loss = torch.dot(r.to(wide), r.to(wide))
+                    part_grad = J.T @ r
+                    if store:
+                        part_col = (J * J).sum(0)
+                    else:
+                        gdt = self.gram_dtype or J.dtype
+                        Jg = J.to(gdt)
+                        g = grams[k]
+                        grams[k] = Jg.T @ Jg if g is None else g.addmm_(Jg.T, Jg)
+                # The vectors are added on the solver device in slice order, as one
+                # device would add them.
+                loss_sum += group.gather(part_loss)
+                grad += group.gather(part_grad)
                 if store:
-                    col_sq += (J * J).sum(0)
-                    jacs.append(J)
-                    res.append(r)
-                else:
-                    gdt = self.gram_dtype or J.dtype
-                    Jg = J.to(gdt)
-                    gram = Jg.T @ Jg if gram is None else gram.addmm_(Jg.T, Jg)
+                    col_sq += group.gather(part_col)
+                    jacs.append(group.gather(J))
+                    res.append(group.gather(r))
+        gram = group.sum(grams)
         if gram is not None:
             # diag(JᵀJ) comes free with the Gram.
             col_sq = gram.diagonal().to(x.dtype).clone()
@@ -298,37 +365,54 @@ class _ModelProblem:
         )
 
     def loss_sum(self, x: Tensor) -> Tensor:
-        params = self.unflatten(x)
+        group = self.group
+        points = self._points(x)
         total = torch.zeros((), dtype=torch.float64, device=x.device)
-        with torch.no_grad(), _frozen_batch_stats(self.model):
-            for inputs, targets in self.slices():
-                r = self._batch(params, inputs, targets).to(torch.float64)
-                total += torch.dot(r, r)
+        with torch.no_grad(), self._frozen():
+            for k, inputs, targets in group.stage(self.slices()):
+                with group.on(k):
+                    r = self.replicas[k].batch(points[k], inputs, targets).to(torch.float64)
+                    part = torch.dot(r, r)
+                total += group.gather(part)
         self.reducer.sum_([total])
         return total
 
     def second_directional(
         self, x: Tensor, v: Tensor, system: NormalEquations
     ) -> tuple[Tensor, Tensor | None]:
-        params = self.unflatten(x)
-        tangent = self.unflatten(v)
+        group = self.group
+        points = self._points(x)
+        tangents = [self.unflatten(vk) for vk in group.replicate(v)]
         rvvs: list[Tensor] = []
         b = torch.zeros_like(x)
-        with _frozen_batch_stats(self.model):
-            for inputs, targets in self.slices():
+        with self._frozen():
+            for k, inputs, targets in group.stage(self.slices()):
+                params, tangent = points[k], tangents[k]
 
-                def f(p: dict[str, Tensor], inputs: Any = inputs, targets: Any = targets) -> Tensor:
-                    return self._batch(p, inputs, targets)
+                def f(
+                    p: dict[str, Tensor],
+                    inputs: Any = inputs,
+                    targets: Any = targets,
+                    ev: _Evaluator = self.replicas[k],
+                ) -> Tensor:
+                    return ev.batch(p, inputs, targets)
 
-                def jv(p: dict[str, Tensor], f: Callable[..., Tensor] = f) -> Tensor:
+                def jv(
+                    p: dict[str, Tensor],
+                    f: Callable[..., Tensor] = f,
+                    tangent: dict[str, Tensor] = tangent,
+                ) -> Tensor:
                     out: Tensor = jvp(f, (p,), (tangent,))[1]
                     return out
 
-                rvv = jvp(jv, (params,), (tangent,))[1].detach()
-                rvvs.append(rvv)
+                with group.on(k):
+                    rvv = jvp(jv, (params,), (tangent,))[1].detach()
+                    if system.jac is None:
+                        (ct,) = vjp(f, params)[1](rvv)
+                        part = torch.cat([ct[name].reshape(-1) for name in self.names]).detach()
+                rvvs.append(group.gather(rvv))
                 if system.jac is None:
-                    (ct,) = vjp(f, params)[1](rvv)
-                    b += torch.cat([ct[name].reshape(-1) for name in self.names]).detach()
+                    b += group.gather(part)
         w = torch.cat(rvvs)
         if self.rows_gathered:
             # J holds every rank's rows: gather r_vv the same way, and Jᵀr_vv is then
@@ -368,7 +452,11 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             model itself (physics-informed losses).  Default :func:`~.residuals.mse`.
         lr: scales every update.  1 is the LM step; below 1 damps it further.
         damping: the initial λ.
-        devices: reserved for several devices in one process; only ``None`` now.
+        devices: several devices of this process to compute on, e.g.
+            ``["cuda:0", "cuda:1"]`` (see below).  ``None`` computes on the model's
+            device.
+        solver_device: where the partial sums meet and the linear system is
+            solved; default the first of ``devices``.  Any device, listed or not.
         reducer: how partial sums meet; a :class:`~secondorder.distributed.Reducer`.
         process_group: a ``torch.distributed`` process group whose ranks train the
             model together (see below).  Give ``reducer`` or ``process_group``, not
@@ -411,6 +499,24 @@ class LevenbergMarquardt(torch.optim.Optimizer):
     at least one sample; a rank that dies makes the others raise
     :class:`~secondorder.distributed.CollectiveError` within the process group's
     ``timeout``.
+
+    **Several devices in one process.**  With ``devices=[d0, d1, ...]`` the model is
+    replicated on each device (the model itself serves the first entry on its own
+    device; every other entry gets a ``copy.deepcopy`` moved there), the batch's
+    slices go to the devices in turn (slice i to ``devices[i % len(devices)]``), and
+    each device's share of the normal equations is brought to ``solver_device``:
+    one n×n Gram per device in the primal form, the Jacobian rows of its slices in
+    the dual form and for QR and CG.  Inputs and targets may arrive on any device;
+    each slice is moved to its own.  The result is the step one device would take,
+    up to the order in which the per-device Grams are added (the dual form, QR and
+    CG give the same bits).  The user's model stays where it is and holds the
+    parameters; each step starts by copying its parameters, buffers and train/eval
+    modes into the replicas (read-only, as :attr:`replicas`), and an accepted
+    update is written to the model and to every replica.  On CUDA, slices are
+    copied from pinned memory on a side stream per device, ahead of their
+    computation.  ``residual_fn`` must run on every listed device.  This composes
+    with several processes: each rank spreads its own shard over its own devices
+    (with NCCL, make ``solver_device`` the rank's GPU).
     """
 
     def __init__(
@@ -423,6 +529,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         reducer: Reducer | None = None,
         process_group: Any = None,
         devices: list[Any] | None = None,
+        solver_device: Any = None,
         **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -431,11 +538,6 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             )
         if not (callable(residual_fn) or isinstance(residual_fn, ModelResidual)):
             raise TypeError(f"residual_fn must be callable, got {residual_fn!r}")
-        if devices is not None:
-            raise NotImplementedError(
-                f"devices={devices!r}: several devices in one process are not supported yet; "
-                "pass devices=None and move the model to the device you want."
-            )
         try:
             self.config = LMConfig(lr=lr, damping=damping, **options)
         except TypeError as exc:
@@ -459,14 +561,23 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             raise ValueError(
                 f"model parameters must be on one device, got {sorted(map(str, devs))}"
             )
+        group = resolve_devices(devices, solver_device, next(iter(devs)))
         self.reducer = resolve_reducer(reducer, process_group)
         if self.reducer.world_size > 1:
             self._agree_across_ranks(named, residual_fn)
         super().__init__([p for _, p in named], {"lr": lr})
         self.model = model
         self.residual_fn = residual_fn
+        #: Whether inputs may arrive on any device (they are moved slice by slice).
+        self._any_device = devices is not None
         self._problem = _ModelProblem(
-            model, residual_fn, [k for k, _ in named], [p for _, p in named], self.reducer
+            model,
+            residual_fn,
+            [k for k, _ in named],
+            [p for _, p in named],
+            self.reducer,
+            group,
+            replicate_module(model, group.devices),
         )
         cfg = self.config
         self._rule = make_damping_rule(cfg.damping_rule, cfg.damping_up, cfg.damping_down)
@@ -516,6 +627,21 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         return self._damping.damping
 
     @property
+    def devices(self) -> tuple[torch.device, ...]:
+        """The devices slices are computed on, in dispatch order."""
+        return self._problem.group.devices
+
+    @property
+    def solver_device(self) -> torch.device:
+        """Where the normal equations are reduced and solved."""
+        return self._problem.group.solver
+
+    @property
+    def replicas(self) -> tuple[nn.Module, ...]:
+        """The copy of the model that computes on each entry of :attr:`devices`."""
+        return tuple(e.model for e in self._problem.replicas)
+
+    @property
     def num_parameters(self) -> int:
         """Number of trainable scalars (columns of J)."""
         return self._problem.n
@@ -540,13 +666,15 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                         f"inputs dtype {leaf.dtype} does not match the model's parameter dtype "
                         f"{p0.dtype}; convert one of them"
                     )
-                if leaf.device != p0.device:
+                if leaf.device != p0.device and not self._any_device:
                     raise ValueError(f"inputs are on {leaf.device} but the model is on {p0.device}")
         probe = batch if self._problem.coupled_residual else min(batch, 2)
         sub_in = _slice(inputs, 0, probe)
         sub_t = None if targets is None else _slice(targets, 0, probe)
         if self._problem.coupled_residual:
             sub_t = targets
+        if self._any_device:
+            sub_in, sub_t = _to_device((sub_in, sub_t), p0.device)
         params = {
             k: p.detach() for k, p in zip(self._problem.names, self._problem.params, strict=True)
         }
@@ -615,18 +743,23 @@ class LevenbergMarquardt(torch.optim.Optimizer):
     def _probe_jacobian(self, batch: int) -> str:
         """Time both per-sample modes on a small slice and keep the faster."""
         prob = self._problem
-        params = {k: p.detach() for k, p in zip(prob.names, prob.params, strict=True)}
         size = min(batch, 64)
         inputs = _slice(prob.inputs, 0, size)
         targets = None if prob.targets is None else _slice(prob.targets, 0, size)
+        # Time it where the Jacobians run: on the first device, with its replica.
+        _, inputs, targets = next(prob.group.stage([(inputs, targets)]))
+        with torch.no_grad():
+            x = torch.cat([p.detach().reshape(-1) for p in prob.params])
+        params = prob._points(x)[0]
+        program = prob.replicas[0].program
         names = ("reverse", "forward")
-        elapsed = torch.zeros(len(names), dtype=torch.float64, device=prob.params[0].device)
-        with _frozen_batch_stats(self.model):
+        elapsed = torch.zeros(len(names), dtype=torch.float64, device=prob.group.solver)
+        with prob._frozen(), prob.group.on(0):
             for i, name in enumerate(names):
                 strategy = make_jacobian(name)
-                strategy(prob.program, params, inputs, targets)  # warm-up
+                strategy(program, params, inputs, targets)  # warm-up
                 t0 = time.perf_counter()
-                strategy(prob.program, params, inputs, targets)
+                strategy(program, params, inputs, targets)
                 elapsed[i] = time.perf_counter() - t0
         # With several ranks, the summed timings make every rank choose the same mode.
         self.reducer.sum_([elapsed])
@@ -691,8 +824,10 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         prob = self._problem
         prob.inputs, prob.targets, prob.batch_size = inputs, targets, batch
         self._configure(batch, m, inputs, slice_size, m_total)
+        for replica in self.replicas:
+            sync_replica(self.model, replica)
         with torch.no_grad():
-            x = torch.cat([p.detach().reshape(-1) for p in prob.params])
+            x = torch.cat([p.detach().reshape(-1) for p in prob.params]).to(prob.group.solver)
         system = prob.linearize(x)
         t_lin = time.perf_counter()
         finite = bool(torch.isfinite(system.loss_sum)) and all(
@@ -744,7 +879,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             if _interacting_modules(self.model):
                 # One real forward updates BatchNorm running statistics at the new point.
                 with torch.no_grad():
-                    self.model(inputs)
+                    self.model(_to_device(inputs, prob.params[0].device))
+            for replica in self.replicas:
+                sync_replica(self.model, replica)
         self._steps += 1
         count = max(system.count, 1)
         return StepInfo(
@@ -795,7 +932,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         if self.reducer.world_size == 1:
             return batch, m, m, lr
         world = self.reducer.world_size
-        tally = torch.zeros(world + 1, dtype=torch.float64, device=self._problem.params[0].device)
+        tally = torch.zeros(world + 1, dtype=torch.float64, device=self._problem.group.solver)
         tally[self.reducer.rank] = 1.0 if error is not None else 0.0
         tally[world] = float(m)
         self.reducer.sum_([tally])
@@ -879,10 +1016,11 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             )
         scale = state_dict["scale"]
         p0 = self._problem.params[0]
+        home = self._problem.group.solver
         self._damping = DampingState(
             damping=float(damping),
             nu=float(nu),
-            scale=None if scale is None else scale.to(device=p0.device, dtype=p0.dtype),
+            scale=None if scale is None else scale.to(device=home, dtype=p0.dtype),
         )
         self._steps = steps
         for group, lr in zip(self.param_groups, lrs, strict=True):

@@ -1,7 +1,8 @@
 """Moving a cuPyLMA curve-fitting script to secondorder: change one import.
 
-    python examples/cupylma_migration.py            # 20,000 points
-    python examples/cupylma_migration.py --quick    # for CI
+    python examples/cupylma_migration.py                        # 20,000 points, every GPU
+    python examples/cupylma_migration.py --quick                # for CI
+    python examples/cupylma_migration.py --devices cpu,cpu      # two replicas, no GPU needed
 
 The script below is written the way a cuPyLMA user writes one: build a model, pick the
 devices, construct ``LMA(model, devices, residual_fn, ...)`` and call
@@ -15,6 +16,9 @@ What changes without touching anything else:
 
 * no CUDA is needed: with no GPU, ``get_available_gpus()`` is empty and the model
   stays on the CPU;
+* with several GPUs, the model is replicated on each and the slices of every batch
+  are dispatched to them in turn, as in cuPyLMA, but the normal equations are reduced
+  and solved with PyTorch on the first GPU: no cuPyNumeric or Legate launcher;
 * ``learning_rate`` is applied to each update, and float64 models work;
 * the reported loss is ``mean(r²)`` of what ``residual_fn`` returns;
 * a dead unit (a zero column of J) no longer stalls training;
@@ -43,6 +47,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small and fast, for CI")
     parser.add_argument("--points", type=int, default=20_000)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--devices", default=None, help="comma-separated devices (default: every GPU)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.points, args.steps = 300, 40
@@ -52,8 +59,8 @@ def main(argv=None):
     y = torch.sinc(10 * x)
     model = nn.Sequential(nn.Linear(1, 64), nn.Tanh(), nn.Linear(64, 1))
 
-    devices = get_available_gpus()[:1]  # cuPyLMA would spread over all of them
-    x, y = x.to(devices[0] if devices else "cpu"), y.to(devices[0] if devices else "cpu")
+    devices = get_available_gpus() if args.devices is None else args.devices.split(",")
+    # x and y stay on the host: each slice is copied to the device that computes it.
     lma = LMA(
         model,
         devices,
@@ -73,6 +80,7 @@ def main(argv=None):
         if terminated:
             print(f"terminated: {lma.last_info.reason}")
             break
+    print(f"devices: {[str(d) for d in lma.optimizer.devices]}")
     print(f"{step} steps in {time.perf_counter() - t0:.2f} s, final MSE {loss:.2e}")
 
 

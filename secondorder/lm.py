@@ -506,8 +506,12 @@ class LevenbergMarquardt(torch.optim.Optimizer):
     slices go to the devices in turn (slice i to ``devices[i % len(devices)]``), and
     each device's share of the normal equations is brought to ``solver_device``:
     one n×n Gram per device in the primal form, the Jacobian rows of its slices in
-    the dual form and for QR and CG.  Inputs and targets may arrive on any device;
-    each slice is moved to its own.  The result is the step one device would take,
+    the dual form and for QR and CG.  Without a ``slice_size``, slices are at most
+    ``ceil(batch / len(devices))`` samples, so every device gets work; samples that
+    interact (BatchNorm in training mode, a
+    :class:`~secondorder.residuals.ModelResidual`) are never sliced and run on the
+    first device.  Inputs and targets may arrive on any device; each slice is moved
+    to its own.  The result is the step one device would take,
     up to the order in which the per-device Grams are added (the dual form, QR and
     CG give the same bits).  The user's model stays where it is and holds the
     parameters; each step starts by copying its parameters, buffers and train/eval
@@ -806,6 +810,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         else:
             itemsize = prob.params[0].element_size()
             prob.slice_size = max(1, cfg.memory_budget // (3 * k * n * itemsize))
+            if len(prob.group) > 1:
+                # At least one slice per device, or some devices would sit idle.
+                prob.slice_size = min(prob.slice_size, -(-batch // len(prob.group)))
         chunk = slice_size if name.startswith("batch") else None
         prob.strategy = make_jacobian(name, chunk)
 

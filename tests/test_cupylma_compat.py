@@ -90,9 +90,37 @@ def test_zero_jacobian_column_does_not_stall():
     assert loss < 0.5 * first
 
 
-def test_several_devices_are_refused_clearly():
-    with pytest.raises(NotImplementedError, match=r"devices=\['cpu', 'cpu'\]"):
-        LMA(sinc_model(), ["cpu", "cpu"])
+def test_several_devices_equal_none():
+    """cuPyLMA's devices list: slices dispatched in turn, the same fit as one device."""
+    x, y = sinc_data(300, dtype=torch.float64)
+    model = sinc_model(hidden=6, seed=1, dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    lma = LMA(model, ["cpu", "cpu"], learning_rate=0.7)
+    ref = LMA(twin, [], learning_rate=0.7)
+    assert lma.devices == [torch.device("cpu")] * 2
+    assert lma.optimizer.devices == (torch.device("cpu"),) * 2
+    assert lma.optimizer.replicas[0] is model
+    for _ in range(5):
+        loss, terminated = lma.step(x, y, slice_size=70)  # 5 slices, the last of 20
+        ref_loss, ref_terminated = ref.step(x, y, slice_size=70)
+        # The per-device Grams are added in another order than one device adds them.
+        assert loss == pytest.approx(ref_loss, rel=1e-9)
+        assert terminated == ref_terminated
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    replica = lma.optimizer.replicas[1]
+    for a, b in zip(model.parameters(), replica.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_devices_are_refused_before_the_model_moves():
+    model = sinc_model(hidden=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"Invalid devices\[1\]='gpu'"):
+        LMA(model, ["cpu", "gpu"])
+    with pytest.raises(TypeError, match=r"devices must be a list of devices .* got str: 'cpu'"):
+        LMA(model, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
 
 
 def test_cupylma_solver_and_dtype_arguments_are_accepted():

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..distributed.devices import resolve_devices
 from ..lm import LevenbergMarquardt, StepInfo
 from ..residuals import mse
 
@@ -51,9 +52,11 @@ class LMA:
 
     Args:
         model: the module to train.
-        devices: devices to compute on.  An empty sequence or ``None`` keeps the model
-            where it is; one device moves the model there.  Several devices in one
-            process are not supported yet and are refused with a clear error.
+        devices: devices to compute on, as cuPyLMA takes them (``get_available_gpus()``).
+            An empty sequence or ``None`` keeps the model where it is.  Otherwise the
+            model moves to the first device, is replicated on the others, and the
+            slices of each batch go to the devices in turn, as in cuPyLMA; inputs and
+            targets may stay on the host (``LevenbergMarquardt(..., devices=...)``).
         residual_fn: ``(outputs, targets) -> residuals`` (default: plain differences).
         learning_rate: scales every update.
         damping_start: initial λ.
@@ -87,34 +90,51 @@ class LMA:
             raise TypeError(f"solver must be a solver name or a callable, got {solver!r}")
         if dtype is not None:
             options.setdefault("gram_dtype", _torch_dtype(dtype))
-        devs = list(devices) if devices is not None else []
-        if len(devs) > 1:
-            raise NotImplementedError(
-                f"devices={devs!r}: several devices in one process are not supported yet; "
-                "pass one device (or none to keep the model where it is)"
-            )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if devs:
-            model.to(torch.device(devs[0]))
+        devs: list[torch.device] = []
+        home = next((p.device for p in model.parameters()), None)
+        if devices is not None and not (isinstance(devices, (list, tuple)) and not devices):
+            # Validated before the model moves, so a bad entry leaves it where it was.
+            devs = list(resolve_devices(devices, None, torch.device("cpu")).devices)
+            options["devices"] = devs
+            # On the first device the model itself serves as that device's replica.
+            model.to(devs[0])
         self.model = model
         self.devices = devs
         options.setdefault("damping_rule", "multiplicative")
         options.setdefault("damping_matrix", "marquardt")
-        self.optimizer = LevenbergMarquardt(
-            model,
-            residual_fn,
-            lr=learning_rate,
-            damping=damping_start,
-            damping_up=damping_up,
-            damping_down=damping_down,
-            **options,
-        )
+        try:
+            self.optimizer = LevenbergMarquardt(
+                model,
+                residual_fn,
+                lr=learning_rate,
+                damping=damping_start,
+                damping_up=damping_up,
+                damping_down=damping_down,
+                **options,
+            )
+        except Exception:
+            if devs and home is not None:
+                model.to(home)
+            raise
         #: The :class:`~secondorder.StepInfo` of the last step, for more detail.
         self.last_info: StepInfo | None = None
 
     def step(self, x: Tensor, y: Tensor, slice_size: int | None = None) -> tuple[float, bool]:
-        """One LM iteration on ``(x, y)``; returns ``(loss, terminated)``."""
+        """One LM iteration on ``(x, y)``; returns ``(loss, terminated)``.
+
+        With several devices, a ``slice_size`` of the whole batch or more is replaced
+        by ``ceil(batch / len(devices))``, as cuPyLMA does, so every device gets a slice.
+        """
+        if (
+            len(self.devices) > 1
+            and isinstance(slice_size, int)
+            and isinstance(x, Tensor)
+            and x.ndim > 0
+            and slice_size >= x.shape[0]
+        ):
+            slice_size = -(-x.shape[0] // len(self.devices))
         info = self.optimizer.step(x, y, slice_size=slice_size)
         self.last_info = info
         return info.loss, info.terminated

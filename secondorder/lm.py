@@ -511,9 +511,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
     interact (BatchNorm in training mode, a
     :class:`~secondorder.residuals.ModelResidual`) are never sliced and run on the
     first device.  Inputs and targets may arrive on any device; each slice is moved
-    to its own.  The result is the step one device would take,
-    up to the order in which the per-device Grams are added (the dual form, QR and
-    CG give the same bits).  The user's model stays where it is and holds the
+    to its own.  The result is the step one device would take, up to the order in
+    which the per-device Grams are added (the dual form, QR and CG give the same
+    bits).  The user's model stays where it is and holds the
     parameters; each step starts by copying its parameters, buffers and train/eval
     modes into the replicas (read-only, as :attr:`replicas`), and an accepted
     update is written to the model and to every replica.  On CUDA, slices are

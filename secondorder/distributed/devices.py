@@ -31,6 +31,8 @@ On CUDA, a slice's copy to its device is issued ahead of time on that device's c
 stream, from pinned host memory, so it overlaps the computation of the slice before
 it; results travel to the solver device asynchronously while the next slices are
 computed.  On other device types none of that runs: copies are plain ``.to()``.
+A CPU solver device receives each result synchronously, which makes the devices
+wait for one another; a GPU solver device keeps them running side by side.
 """
 
 from __future__ import annotations

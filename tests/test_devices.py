@@ -193,6 +193,38 @@ def test_without_a_slice_size_every_device_gets_a_slice() -> None:
     assert calls[1] == calls[2] > 0
 
 
+class Tied(nn.Module):
+    """Two layers sharing one weight, and a frozen bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+        self.c = nn.Linear(3, 1)
+        self.c.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def test_tied_and_frozen_parameters_replicate() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(20, 1, generator=g, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = Tied().double()
+    twin = copy.deepcopy(model)
+    opt = so.LevenbergMarquardt(model, devices=["cpu"] * 3, slice_size=6, solver="qr")
+    ref = so.LevenbergMarquardt(twin, slice_size=6, solver="qr")
+    for _ in range(3):
+        assert info_dict(opt.step(x, y)) == info_dict(ref.step(x, y))
+    assert torch.equal(flat(model), flat(twin))
+    for r in opt.replicas[1:]:
+        assert r.b.weight is r.a.weight
+        assert torch.equal(flat(r), flat(model))
+
+
 def test_rejected_steps_leave_model_and_replicas_unchanged() -> None:
     model = model_for()
     x, y = batch(N_PRIMAL)

@@ -5,8 +5,8 @@ iteration run:
 
 * ``"torch"`` (default): ``torch.linalg`` on the parameters' device
   (:mod:`secondorder.linalg`).
-* ``"numpy"``: NumPy's LAPACK on the host.  Mostly a reference and a test of the
-  array-module path; it is rarely faster than torch on the same CPU.
+* ``"numpy"``: NumPy's LAPACK on the host: the reference for, and the test of, the
+  array-module path that cuPyNumeric takes.
 * ``"cupynumeric"``: NVIDIA cuPyNumeric on Legate, which spreads arrays and the
   Cholesky factorisation over the GPUs (and nodes) the ``legate`` launcher gives
   it.  This is the choice when the n×n Gram (or the m×m dual matrix) and its
@@ -28,7 +28,8 @@ The solvers mirror :class:`~secondorder.linalg.CholeskySolver` and
 
 * ``"cholesky"``: per λ, ``L Lᵀ = JᵀJ + λD`` (or ``Js Jsᵀ + λI``) and two
   triangular systems, solved with ``linalg.solve`` since the NumPy API has no
-  triangular solver.  cuPyNumeric distributes this factorisation over GPUs.
+  triangular solver (about 5n³/3 operations per λ where torch needs n³/3).
+  cuPyNumeric distributes this factorisation over GPUs.
 * ``"eigh"``: one eigendecomposition of the scaled matrix per iteration, then two
   matrix-vector products per λ.  cuPyNumeric runs one matrix's ``eigh`` on one GPU.
 
@@ -37,8 +38,9 @@ positive definite, instead of raising.  For an array module that cannot report t
 failure, the cholesky solver therefore factors only matrices that a rounding-error
 bound proves positive definite (:func:`surely_positive_definite`: the damping
 λD is large enough against the Gram's diagonal) and solves the others, at very
-small λ, by LU; a step from a matrix that was not definite after all fails the gain
-ratio test and the optimizer raises λ, as after a failed factorisation.
+small λ, by LU (``linalg.solve``, which raises ``LinAlgError`` for a singular
+matrix); a step from a matrix that was not definite after all fails the gain ratio
+test and the optimizer raises λ, as after a failed factorisation.
 """
 
 from __future__ import annotations

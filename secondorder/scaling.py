@@ -370,6 +370,7 @@ def run_form(
         "n": opt.num_parameters,
         "rows": int(xs.shape[0]),
         "samples": int(x.shape[0]),
+        "solver": f"{opt.config.solver} on {opt.config.linalg_backend}",
         "seconds": [],
         "attempts": [],
         "cg_iterations": [],

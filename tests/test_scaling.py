@@ -38,12 +38,18 @@ gloo = pytest.mark.skipif(
 #: n = 2·6 + 6 + 6·6 + 6 + 6 + 1 = 67 parameters; 64 residuals (primal, CG) or 16 (dual),
 #: split evenly over 2 ranks.
 SMALL = Problem(inputs=2, hidden=6, primal_samples=64, dual_samples=16, steps=3, cg_max_iter=500)
-CG_OPTIONS = {"cg_forcing": 0.5, "cg_rtol": 1e-10}
+#: Options beyond each form's own: the launch also covers CG with a forcing term and
+#: the NumPy linear-algebra backend across ranks (neither changes what travels).
+EXTRA: dict[str, dict[str, Any]] = {
+    "cg": {"cg_forcing": 0.5, "cg_rtol": 1e-10},
+    "primal": {"linalg_backend": "numpy"},
+    "dual": {"linalg_backend": "numpy", "solver": "eigh"},
+}
 
 
 @functools.cache
 def two_ranks() -> dict[int, list[dict[str, Any]]]:
-    return launch(2, SMALL, tuple(FORMS), extra={"cg": CG_OPTIONS}, deadline_s=120)
+    return launch(2, SMALL, tuple(FORMS), extra=EXTRA, deadline_s=120)
 
 
 @gloo
@@ -70,16 +76,19 @@ def test_counted_bytes_equal_the_model_on_every_step_and_rank(form):
 @gloo
 @pytest.mark.parametrize("form", list(FORMS))
 def test_two_ranks_equal_one_process_and_agree_bitwise(form):
-    """Includes CG with a forcing term: its tolerance comes from summed quantities."""
+    """CG with a forcing term (its tolerance comes from summed quantities, so every
+    rank stops after the same iteration) and the NumPy backend behind the broadcast."""
     results = two_ranks()
     ranks = [next(r for r in results[k] if r["form"] == form) for k in (0, 1)]
-    single = run_form(SMALL, form, 0, 1, None, CG_OPTIONS if form == "cg" else None)
+    single = run_form(SMALL, form, 0, 1, None, EXTRA[form])
     for step in range(SMALL.steps):
         assert torch.equal(ranks[0]["params"][step], ranks[1]["params"][step])
         p, q = ranks[0]["params"][step], single["params"][step]
         assert float((p - q).abs().max()) <= 1e-9 * float(q.abs().max()), step
-    for key in ("attempts", "cg_iterations"):
+    for key in ("attempts", "cg_iterations", "solver"):
         assert ranks[0][key] == ranks[1][key] == single[key], key
+    backend = EXTRA[form].get("linalg_backend", "torch")
+    assert ranks[0]["solver"].endswith(f" on {backend}")
     assert single["loss"][-1] < single["loss"][0]
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m secondorder demo``.
+"""Command line: ``python -m secondorder demo``, ``bench`` and ``scaling``.
 
 The demo fits ``y = sinc(10x)`` on 20,000 points with a Linear(1,64)-Tanh-Linear(64,1)
 network (193 parameters, float32, full batch), once with Levenberg-Marquardt and once
@@ -24,6 +24,7 @@ from torch import nn
 from .bench import add_bench_parser, run_bench
 from .lm import LevenbergMarquardt
 from .residuals import mse
+from .scaling import add_scaling_parser, run_scaling
 
 __all__ = ["main", "sinc_data", "sinc_model"]
 
@@ -197,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--json", default=None, help="also write the trajectories to this file")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
     add_bench_parser(sub)
+    add_scaling_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         for name in ("points", "lm_steps", "adam_steps", "threads"):
@@ -205,4 +207,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo(args)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "scaling":
+        return run_scaling(args)
     return 2  # pragma: no cover - argparse rejects other commands

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .backends import BACKEND_SOLVERS, LINALG_BACKENDS, array_module
 from .damping import DAMPING_MATRICES, DAMPING_RULES
 from .jacobian import JACOBIANS
 from .linalg import SOLVERS
@@ -76,6 +77,16 @@ class LMConfig:
             2.5x the cost of the product.  Pass ``torch.float32`` for the fastest
             steps; ``None`` uses the parameters' dtype.
         cg_rtol, cg_max_iter: tolerance and iteration cap of the CG solver.
+        cg_forcing: ``None`` (default) solves every CG system to ``cg_rtol``.  A
+            number ``η_max`` in (0, 1) makes CG an inexact-Newton solver: the
+            relative tolerance of an iteration is
+            ``max(cg_rtol, min(η_max, sqrt(‖Jᵀr‖ / (‖J‖_F·‖r‖))))``, loose while the
+            gradient is large and tightening as it vanishes, which saves CG
+            iterations far from a minimum and keeps fast local convergence near one.
+        linalg_backend: where the normal equations are factored and solved:
+            ``"torch"`` (default), ``"numpy"`` or ``"cupynumeric"`` (see
+            :mod:`secondorder.backends`); the array modules offer the solvers
+            ``"cholesky"`` and ``"eigh"``.
     """
 
     lr: float = 1.0
@@ -101,6 +112,8 @@ class LMConfig:
     gram_dtype: torch.dtype | None = torch.float64
     cg_rtol: float = 1e-6
     cg_max_iter: int | None = None
+    cg_forcing: float | None = None
+    linalg_backend: str = "torch"
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)
@@ -151,3 +164,21 @@ class LMConfig:
             )
         _positive("cg_rtol", self.cg_rtol)
         _positive_int("cg_max_iter", self.cg_max_iter, allow_none=True)
+        if self.cg_forcing is not None:
+            if isinstance(self.cg_forcing, bool) or not isinstance(self.cg_forcing, (int, float)):
+                raise TypeError(
+                    f"Invalid cg_forcing={self.cg_forcing!r}: must be None or a number in (0, 1)."
+                )
+            if not 0.0 < self.cg_forcing < 1.0:
+                raise ValueError(
+                    f"Invalid cg_forcing={self.cg_forcing!r}: must be None or a number in (0, 1)."
+                )
+        _choice("linalg_backend", self.linalg_backend, LINALG_BACKENDS)
+        if self.linalg_backend != "torch":
+            if self.solver not in BACKEND_SOLVERS:
+                raise ValueError(
+                    f"Invalid solver={self.solver!r} with linalg_backend="
+                    f"{self.linalg_backend!r}: that backend provides {BACKEND_SOLVERS}."
+                )
+            # Fail at construction, with install instructions, if the module is missing.
+            array_module(self.linalg_backend)

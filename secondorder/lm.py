@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.func import jvp, vjp
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .backends import make_backend_solver
 from .config import LMConfig
 from .damping import DampingState, make_damping_matrix, make_damping_rule
 from .distributed import Reducer, resolve_reducer
@@ -788,20 +789,23 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         dual = cfg.form == "dual" or (cfg.form == "auto" and m_all < n and cfg.solver != "cg")
         solver = cfg.solver
         if solver == "auto":
-            solver = "cholesky" if (m_all if dual else n) <= 8192 else "cg"
+            # An array-module backend exists to factor matrices too big for torch.
+            small = cfg.linalg_backend != "torch" or (m_all if dual else n) <= 8192
+            solver = "cholesky" if small else "cg"
             if solver == "cg" and dual:
                 dual = False
         prob.form = "dual" if dual else "primal"
         prob.gram_dtype = cfg.gram_dtype
+        cg = {"cg_rtol": cfg.cg_rtol, "cg_max_iter": cfg.cg_max_iter, "cg_forcing": cfg.cg_forcing}
         if self.reducer.world_size > 1:
             inner = (
-                ShardedCGSolver(self.reducer, cfg.cg_rtol, cfg.cg_max_iter)
+                ShardedCGSolver(self.reducer, cfg.cg_rtol, cfg.cg_max_iter, cfg.cg_forcing)
                 if solver == "cg"
-                else make_solver(solver, cfg.gram_dtype, cfg.cg_rtol, cfg.cg_max_iter)
+                else make_backend_solver(solver, cfg.linalg_backend, cfg.gram_dtype, **cg)
             )
             prob.solver = BroadcastSolver(inner, self.reducer)
         else:
-            prob.solver = make_solver(solver, cfg.gram_dtype, cfg.cg_rtol, cfg.cg_max_iter)
+            prob.solver = make_backend_solver(solver, cfg.linalg_backend, cfg.gram_dtype, **cg)
         name = self._choose_jacobian(batch, m, self._signature(inputs, m))
         k = max(1, m // batch)
         slice_size = slice_size if slice_size is not None else cfg.slice_size

@@ -552,3 +552,176 @@ def test_unused_parameter_does_not_stall_training(solver):
             break
     assert info.loss < 0.05 * first
     assert torch.equal(model.unused.detach(), unused)
+
+
+# -- conjugate gradients: tolerance, forcing term, iteration counts ----------------------------
+
+
+@pytest.mark.parametrize("kind", ["gram", "jac"])
+@pytest.mark.parametrize("rtol", [1e-3, 1e-7, 1e-11])
+def test_cg_equals_the_cholesky_solve_to_its_tolerance(kind, rtol):
+    J, r = conditioned_jacobian(80, 25, cond=300.0, seed=11)
+    d = damping_diagonal(25, seed=12)
+    b = -J.T @ r
+    cg = make_solver("cg", cg_rtol=rtol, cg_max_iter=500).factor(record(J, r, kind), d)
+    chol = make_solver("cholesky").factor(record(J, r, "gram"), d)
+    for lam in (1e-4, 1e-2, 1.0):
+        direct = chol.solve(lam, b)
+        delta = cg.solve(lam, b)
+        assert direct is not None and delta is not None
+        A = J.T @ J + lam * torch.diag(d)
+        # CG's stopping test, checked from outside, and the error bound it implies.
+        assert float(torch.linalg.vector_norm(A @ delta - b)) <= rtol * float(b.norm())
+        assert rel_err(delta, direct) <= float(torch.linalg.cond(A)) * rtol
+        assert 1 <= cg.iterations <= 500
+
+
+def test_cg_iterations_fall_with_a_looser_tolerance_and_the_jacobi_preconditioner_helps():
+    # Columns of very different scales: the Jacobi preconditioner 1/(diag(JᵀJ) + λD)
+    # undoes them.  Unpreconditioned CG on the same matrix is run by hand.
+    J, r = conditioned_jacobian(120, 30, cond=10.0, seed=5)
+    J = J * torch.logspace(-3, 3, 30, dtype=DT)
+    d = (J * J).sum(0)
+    b = -J.T @ r
+    lam = 1e-3
+    A = J.T @ J + lam * torch.diag(d)
+    counts = []
+    for rtol in (1e-2, 1e-6, 1e-10):
+        fact = make_solver("cg", cg_rtol=rtol, cg_max_iter=10_000).factor(record(J, r, "jac"), d)
+        fact.solve(lam, b)
+        counts.append(fact.iterations)
+    assert counts == sorted(counts) and counts[0] < counts[-1]
+
+    x, res = torch.zeros_like(b), b.clone()
+    p, plain = res.clone(), 0
+    while float(res.norm()) > 1e-10 * float(b.norm()) and plain < 10_000:
+        ap = A @ p
+        alpha = (res @ res) / (p @ ap)
+        x, new = x + alpha * p, res - alpha * ap
+        p, res, plain = new + ((new @ new) / (res @ res)) * p, new, plain + 1
+    assert counts[-1] < plain
+
+
+def forcing_record(J: Tensor, r: Tensor) -> NormalEquations:
+    return record(J, r, "jac")
+
+
+def test_the_forcing_term_follows_its_formula():
+    J, r = conditioned_jacobian(60, 20, cond=30.0, seed=3)
+    system = forcing_record(J, r)
+    gamma = float((J.T @ r).norm() / (torch.linalg.matrix_norm(J) * r.norm()))
+    assert 0 < gamma < 1
+    solver = so.linalg.CGSolver(rtol=1e-9, forcing=0.5)
+    assert solver.tolerance(system) == pytest.approx(max(1e-9, min(0.5, math.sqrt(gamma))))
+    # Near a stationary point the tolerance tightens to cg_rtol.
+    r_star = r - J @ torch.linalg.lstsq(J, r).solution
+    at_minimum = forcing_record(J, r_star)
+    assert solver.tolerance(at_minimum) <= 1e-7  # √γ, γ at rounding level
+    assert so.linalg.CGSolver(rtol=1e-6, forcing=0.5).tolerance(at_minimum) == 1e-6
+    # A zero residual has nothing to solve for: cg_rtol.
+    assert solver.tolerance(forcing_record(J, torch.zeros_like(r))) == 1e-9
+    # Without a forcing term, cg_rtol always.
+    assert so.linalg.CGSolver(rtol=1e-7).tolerance(system) == 1e-7
+    # The factorisation stops at that tolerance, and earlier than a tight solve.
+    d = damping_diagonal(20, seed=4)
+    b = -J.T @ r
+    eta = solver.tolerance(system)
+    loose = solver.factor(system, d)
+    delta = loose.solve(0.01, b)
+    A = J.T @ J + 0.01 * torch.diag(d)
+    assert float((A @ delta - b).norm()) <= eta * float(b.norm())
+    tight = so.linalg.CGSolver(rtol=1e-9).factor(system, d)
+    tight.solve(0.01, b)
+    assert 1 <= loose.iterations < tight.iterations
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, -0.5, 2, math.nan, math.inf])
+def test_cg_forcing_must_lie_in_the_open_unit_interval(value):
+    with pytest.raises(
+        ValueError, match=rf"Invalid cg_forcing={value!r}: must be None or a number"
+    ):
+        so.LevenbergMarquardt(nn.Linear(2, 1).to(DT), solver="cg", cg_forcing=value)
+
+
+@pytest.mark.parametrize("value", ["0.5", True, [0.5]])
+def test_cg_forcing_of_a_wrong_type_names_the_option(value):
+    with pytest.raises(TypeError, match=r"Invalid cg_forcing=.*must be None or a number"):
+        so.LMConfig(cg_forcing=value)
+
+
+def test_lm_with_forcing_converges_to_the_least_squares_solution():
+    """A linear problem with noise: inexact steps, exact limit (lstsq)."""
+    J, _ = conditioned_jacobian(200, 30, cond=100.0, seed=8)
+    g = torch.Generator().manual_seed(9)
+    y = J @ torch.randn(30, 1, generator=g, dtype=DT) + 0.1 * torch.randn(
+        200, 1, generator=g, dtype=DT
+    )
+    expected = torch.linalg.lstsq(J, y).solution.reshape(-1)
+    runs = {}
+    for forcing in (None, 0.5):
+        model = nn.Linear(30, 1, bias=False).to(DT)
+        with torch.no_grad():
+            model.weight.zero_()
+        opt = so.LevenbergMarquardt(
+            model,
+            solver="cg",
+            cg_rtol=1e-12,
+            cg_max_iter=300,
+            cg_forcing=forcing,
+            ftol=0,
+            xtol=0,
+            gtol=1e-12,
+        )
+        infos = []
+        for _ in range(40):
+            infos.append(opt.step(J, y))
+            if infos[-1].terminated:
+                break
+        assert infos[-1].status == 1, infos[-1].reason  # gtol: at the stationary point
+        got = model.weight.detach().reshape(-1)
+        assert rel_err(got, expected) <= 1e-9, forcing
+        assert all(i.cg_iterations >= 1 for i in infos[:-1])
+        runs[forcing] = [i.cg_iterations for i in infos]
+    # The forcing term makes the far-from-optimal steps cheap (1 iteration for the
+    # first) and the whole fit cheaper, at the same final accuracy.
+    assert runs[0.5][0] < runs[None][0]
+    assert sum(runs[0.5]) < sum(runs[None])
+
+
+def test_lm_with_forcing_matches_scipy_on_a_nonlinear_fit():
+    scipy_optimize = pytest.importorskip("scipy.optimize")
+    np = pytest.importorskip("numpy")
+    x = torch.linspace(0, 4, 80, dtype=DT)
+    g = torch.Generator().manual_seed(2)
+    y = (
+        2.0 * torch.exp(-1.5 * x)
+        + 0.7 * torch.exp(-0.2 * x)
+        + 0.01 * torch.randn(80, generator=g, dtype=DT)
+    )
+
+    class TwoExp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.theta = nn.Parameter(torch.tensor([1.0, 1.0, 1.0, 0.1], dtype=DT))
+
+        def forward(self, t: Tensor) -> Tensor:
+            a, k, c, q = self.theta
+            return a * torch.exp(-k * t) + c * torch.exp(-q * t)
+
+    model = TwoExp()
+    opt = so.LevenbergMarquardt(model, solver="cg", cg_rtol=1e-12, cg_forcing=0.5)
+    for _ in range(200):
+        info = opt.step(x, y)
+        if info.terminated:
+            break
+    assert info.status > 0, info.reason
+
+    t, target = x.numpy(), y.numpy()
+
+    def residual(p):
+        a, k, c, q = p
+        return a * np.exp(-k * t) + c * np.exp(-q * t) - target
+
+    ref = scipy_optimize.least_squares(residual, [1.0, 1.0, 1.0, 0.1], method="lm", xtol=1e-14)
+    got = model.theta.detach()
+    assert rel_err(got, torch.tensor(ref.x, dtype=DT)) <= 1e-6

@@ -97,15 +97,22 @@ class ShardedCGSolver(CGSolver):
     #: Works on this rank's rows of J; the other solvers need every row.
     rows_sharded = True
 
-    def __init__(self, reducer: Reducer, rtol: float = 1e-6, max_iter: int | None = None) -> None:
-        super().__init__(rtol, max_iter)
+    def __init__(
+        self,
+        reducer: Reducer,
+        rtol: float = 1e-6,
+        max_iter: int | None = None,
+        forcing: float | None = None,
+    ) -> None:
+        super().__init__(rtol, max_iter, forcing)
         self.reducer = reducer
 
     def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
         if system.dual:
             raise RuntimeError("the cg solver works on the primal form")
         max_iter = self.max_iter if self.max_iter is not None else max(1, system.n)
-        fact = _ShardedCG(system, d.to(system.grad.dtype), self.rtol, max_iter)
+        # The forcing term is built from summed quantities: every rank stops alike.
+        fact = _ShardedCG(system, d.to(system.grad.dtype), self.tolerance(system), max_iter)
         fact.reducer = self.reducer
         return fact
 

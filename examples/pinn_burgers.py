@@ -1,6 +1,6 @@
 """A physics-informed network for the viscous Burgers equation, trained with LM.
 
-    python examples/pinn_burgers.py            # the full run, minutes on a CPU
+    python examples/pinn_burgers.py            # the full run: 200 LM steps
     python examples/pinn_burgers.py --quick    # a smoke run of a few seconds, for CI
 
 Solve ``u_t + u·u_x = ν·u_xx`` with ``ν = 0.01/π`` on ``x ∈ [-1, 1]``, ``t ∈ [0, 1]``,
@@ -25,7 +25,19 @@ Gaussian convolution of ``φ(x, 0) = exp(-cos(πx)/(2πν))`` (up to a constant)
 with ``f(y) = exp(-cos(πy)/(2πν))``.  Substituting ``η = sqrt(4νt)·z`` makes both
 integrals Gauss-Hermite integrals ``∫ g(z) exp(-z²) dz``, evaluated here with
 ``numpy.polynomial.hermite.hermgauss`` (nothing is downloaded).  The example reports
-the relative L2 error of the network against this reference on a 256 × 101 grid.
+the relative L2 error of the network against this reference on a 256 × 101 grid
+after every step, and plots the solution and the error in ``out/pinn_burgers.png``.
+
+The full run (3,000 collocation points, 100 initial and 100 wall points, a
+2-16-16-16-1 tanh network with 609 parameters, float64) reached a relative L2 error of
+3.4e-3 after 200 steps, in 18 minutes on a busy 2-core CPU.
+
+Each residual here depends on one point only, so :class:`BurgersOperator` presents
+the residual of a point as the output of a module and the optimizer differentiates
+it per sample.  ``--formulation model-residual`` trains the same residuals written as
+one :class:`~secondorder.residuals.ModelResidual` instead, which the optimizer must
+differentiate as a whole batch: the same steps (the tests check it), but three steps
+of the full problem took 104 s that way against 28 s per point on the same machine.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ Adam gets the wall time LM used (at least half a second; at most 30 epochs with
 ``--quick``).  Test accuracy is measured
 after every epoch and plotted against training time in ``out/digits_classification.png``,
 one panel per network.
+
+Measured on the full data set (a busy 2-core CPU, seed 0): the MLP (2,410 parameters)
+reached 0.971 test accuracy with LM in 40 steps and 61 s, Adam 0.978 in the same time;
+the CNN (1,030 parameters) reached 0.984 with LM in 30 steps and 15 s (early
+stopping), Adam 0.967 in the same time.
 """
 
 from __future__ import annotations

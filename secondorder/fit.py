@@ -353,7 +353,7 @@ class CSVLogger(Callback):
 
 
 class TensorBoardLogger(Callback):
-    """Log loss, λ, attempts, stage timings and validation to TensorBoard.
+    """Log loss, λ, attempts, stage timings, CG iterations and validation to TensorBoard.
 
     Needs the ``tensorboard`` package (``torch.utils.tensorboard`` imports it); the
     error on construction says so when it is missing.
@@ -379,6 +379,8 @@ class TensorBoardLogger(Callback):
         self.writer.add_scalar(f"{p}loss", info.loss, s)
         self.writer.add_scalar(f"{p}damping", info.damping, s)
         self.writer.add_scalar(f"{p}attempts", info.attempts, s)
+        if info.solver == "cg":
+            self.writer.add_scalar(f"{p}cg_iterations", info.cg_iterations, s)
         for k, v in info.timings.items():
             self.writer.add_scalar(f"{p}time/{k}", v, s)
         return None

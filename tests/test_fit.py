@@ -249,14 +249,71 @@ def test_cupylma_drop_in_is_accepted():
     assert len(history) == 3 and history.loss[-1] < history.steps[0].loss_before
 
 
-def test_tensorboard_logger(tmp_path):
+def test_tensorboard_logger_records_every_step(tmp_path):
     pytest.importorskip("torch.utils.tensorboard")
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
     from secondorder.fit import TensorBoardLogger
 
+    model, x, y = sinc_problem(points=60, hidden=6, dtype=torch.float64)
+    seen: list[StepInfo] = []
+    history = fit(so.LevenbergMarquardt(model, solver="cg"), (x, y), epochs=3, progress=False,
+                  validation=(x, y), stop_on_terminated=False,
+                  callbacks=[TensorBoardLogger(tmp_path, prefix="lm/"), seen.append])  # fmt: skip
+    events = event_accumulator.EventAccumulator(str(tmp_path))
+    events.Reload()
+
+    def scalars(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    steps = [1, 2, 3]
+    assert scalars("lm/loss") == [
+        (s, pytest.approx(i.loss, rel=1e-6)) for s, i in zip(steps, seen, strict=True)
+    ]
+    assert scalars("lm/damping") == [
+        (s, pytest.approx(i.damping, rel=1e-6)) for s, i in zip(steps, seen, strict=True)
+    ]
+    assert scalars("lm/attempts") == [(s, i.attempts) for s, i in zip(steps, seen, strict=True)]
+    assert scalars("lm/cg_iterations") == [
+        (s, i.cg_iterations) for s, i in zip(steps, seen, strict=True)
+    ]
+    assert all(i.cg_iterations > 0 for i in seen)
+    for stage in ("linearize", "solve_and_trials", "total"):
+        assert [v for _, v in scalars(f"lm/time/{stage}")] == pytest.approx(
+            [i.timings[stage] for i in seen], rel=1e-6
+        )
+    assert [v for _, v in scalars("lm/validation")] == pytest.approx(history.validation, rel=1e-6)
+
+
+def test_csv_logger_records_cg_iterations(tmp_path):
+    model, x, y = sinc_problem(points=60, hidden=6, dtype=torch.float64)
+    seen: list[StepInfo] = []
+    path = tmp_path / "steps.csv"
+    history = fit(so.LevenbergMarquardt(model, solver="cg"), (x, y), epochs=3, progress=False,
+                  stop_on_terminated=False, callbacks=[CSVLogger(path), seen.append])  # fmt: skip
+    with path.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["cg_iterations"]) for r in rows] == [i.cg_iterations for i in seen]
+    assert [s.cg_iterations for s in history.steps] == [i.cg_iterations for i in seen]
+    assert all(i.cg_iterations > 0 for i in seen)
+    for stage in ("linearize", "solve_and_trials", "total"):
+        assert [float(r[f"time_{stage}"]) for r in rows] == pytest.approx(
+            [i.timings[stage] for i in seen], abs=1e-6
+        )
+
+
+def test_progress_bar_with_tqdm_shows_loss_damping_and_attempts(capsys):
+    pytest.importorskip("tqdm")
     model, x, y = linear_problem()
-    fit(so.LevenbergMarquardt(model), (x, y), epochs=2, progress=False,
-        callbacks=[TensorBoardLogger(tmp_path)])  # fmt: skip
-    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    history = fit(so.LevenbergMarquardt(model), (x, y), epochs=3, stop_on_terminated=False,
+                  validation=(x, y))  # fmt: skip
+    err = capsys.readouterr().err
+    last = history.steps[-1]
+    assert f"loss {last.loss:.3e}" in err
+    assert f"λ {last.damping:.1e}" in err and f"attempts {last.attempts}" in err
+    assert "epoch 3/3" in err and "val loss" in err
+    assert "fit: completed 3 epochs" in err
 
 
 def test_step_record_fields():

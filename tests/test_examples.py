@@ -80,6 +80,13 @@ def test_cupylma_migration(tmp_path):
     assert mse < 5e-3
 
 
+def test_cupylma_migration_on_two_devices(tmp_path):
+    # Equality with one device at the same slicing is tested in test_cupylma_compat.py;
+    # here the example's own command line runs with two replicas and converges.
+    out = run("cupylma_migration.py", "--devices", "cpu,cpu", cwd=tmp_path)
+    assert float(re.search(r"final MSE (\S+)", out).group(1)) < 5e-3
+
+
 def load_example(name: str):
     spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), EXAMPLES / name)
     assert spec is not None and spec.loader is not None

@@ -35,7 +35,6 @@ from .planner import (
     USABLE_FRACTION,
     MemoryPlan,
     PlanError,
-    activation_numel,
     available_memory,
     plan_memory,
 )
@@ -495,8 +494,6 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         #: Jacobian strategies chosen by ``jacobian="auto"``, per input signature.
         self._auto_cache: dict[str, str] = {}
         self._validated: set[str] = set()
-        #: Activation entries a sample saves, per input signature (for the planner).
-        self._activations: dict[str, int] = {}
         self._memory_plan: MemoryPlan | None = None
 
     def _agree_across_ranks(
@@ -661,10 +658,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         """
         cfg, prob = self.config, self._problem
         m_all = m if m_total is None else m_total
-        signature = self._signature(inputs, m)
-        name = self._choose_jacobian(batch, m, signature)
+        name = self._choose_jacobian(batch, m, self._signature(inputs, m))
         slice_size = slice_size if slice_size is not None else cfg.slice_size
-        plan = self._plan(batch, m, m_all, name, slice_size, signature)
+        plan = self._plan(batch, m, m_all, name, slice_size)
         solver = plan.solver
         prob.form = plan.form
         prob.gram_dtype = cfg.gram_dtype
@@ -690,7 +686,6 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         m_all: int,
         jacobian: str,
         slice_size: int | None,
-        signature: str,
     ) -> MemoryPlan:
         """The memory plan of this step; raise :class:`PlanError` if it cannot fit."""
         cfg, prob = self.config, self._problem
@@ -701,22 +696,6 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             free, where = available_memory(p0.device)
             available = None if free is None else int(free * USABLE_FRACTION)
             source = where if free is None else f"{USABLE_FRACTION:.0%} of {where}"
-        key = f"{signature}|{jacobian}"
-        if key not in self._activations:
-            probe = batch if prob.coupled_residual else min(batch, 2)
-            sub_in = _slice(prob.inputs, 0, probe)
-            sub_t = None if prob.targets is None else _slice(prob.targets, 0, probe)
-            if prob.coupled_residual:
-                sub_t = prob.targets
-            params = {
-                k: p.detach().requires_grad_() for k, p in zip(prob.names, prob.params, strict=True)
-            }
-            with _frozen_batch_stats(self.model):
-                saved = activation_numel(
-                    lambda: prob._batch(params, sub_in, sub_t),
-                    exclude=[p.detach() for p in prob.params],
-                )
-            self._activations[key] = math.ceil(saved / probe)
 
         def agree(fits: list[bool]) -> list[bool]:
             # Every rank must pick the same solver and form: a candidate counts as
@@ -740,7 +719,6 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             memory_budget=cfg.memory_budget,
             available=available,
             available_source=source,
-            activations=self._activations[key],
             world_size=self.reducer.world_size,
             agree=agree if self.reducer.world_size > 1 else None,
         )

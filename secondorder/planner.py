@@ -20,20 +20,28 @@ factorisation             Cholesky ``3n²·g`` (damped copy, factor, LAPACK's co
                           dual ``3m²·g``, QR the factors of J and of the per-λ stack
 CG vectors                nine n-vectors and an m-vector
 trial evaluation          the residuals and activations of one slice
+finite check              ``(itemsize + 3)`` bytes per entry of the Gram or of J
+                          (``|x|`` and three boolean masks)
 ========================  ==========================================================
 
-The factorisation constants were measured on CPU (LAPACK through torch), where the
-peak resident memory of each stage agrees with these counts to within a few percent
-(``tests/test_planner.py`` checks this).  The whole-step peak is the larger of two
-phases: *linearise* (vectors, Gram, stored rows, one slice being computed, or the
-concatenation of the rows) and *solve* (vectors, Gram or rows, the dual matrix, the
-factorisation, CG vectors and one trial evaluation).
+The constants (3 and 4 for the factorisations, 3 bytes for the check) were measured
+on CPU (LAPACK through torch); with them the peak resident memory of whole steps
+agrees with the estimate to within a few percent (``tests/test_planner.py`` checks
+25%).  The whole-step peak is the larger of two phases: *linearise* (vectors, the
+Gram, the stored rows, one slice being computed or the rows being concatenated,
+then the finiteness check) and *solve* (vectors, the Gram or the rows, the dual
+matrix, the factorisation, CG vectors and one trial evaluation).
 
 What is not modelled: memory the framework keeps for itself (the CUDA context, the
-caching allocator's fragmentation), the model's own buffers, and the exact layer
-structure of the model, which is summarised by one number, the activation entries
-a sample saves for its backward pass (measured once by the optimizer).  That is why
-a measured free memory is used only up to :data:`USABLE_FRACTION`.
+caching allocator's fragmentation), the model's own buffers, and the model's
+activations, which only :func:`plan_memory`'s ``activations`` argument describes (one
+number, the entries a sample saves for backward, from :func:`activation_numel`).
+:class:`~secondorder.lm.LevenbergMarquardt` passes 0: it evaluates the model only
+on the schedule of a step.  For per-sample reverse mode, the default, activations
+are small next to J (a sample's k rows of J hold k·n numbers; its activations, the
+widths of its layers).  Forward mode and the whole-batch modes push n tangents or
+m cotangents through the activations, so for them the estimate is a lower bound.
+That is also why a measured free memory is used only up to :data:`USABLE_FRACTION`.
 
 Why plan at all: a Gram of ``n = 10⁵`` parameters is 80 GB in float64, and a
 per-sample forward-mode Jacobian materialises ``n²`` numbers per sample.  Finding
@@ -309,10 +317,6 @@ def activation_numel(fn: Callable[[], Tensor], exclude: Sequence[Tensor] = ()) -
 # The estimate of one configuration
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass(frozen=True)
 class _Shape:
     n: int
@@ -389,6 +393,8 @@ def _estimate(
 
     # -- dual matrix, factorisation, CG ---------------------------------------------
     mm = rows_here
+    # QR factors J itself in either form; only Cholesky and eigh build J D⁻¹Jᵀ.
+    dual = dual and solver in ("cholesky", "eigh")
     dual_bytes = mm * n * g + mm * mm * g if dual else 0
     stages.append(
         Stage(
@@ -400,7 +406,7 @@ def _estimate(
     if solver == "cg":
         factor = 0
         fdetail = "matrix-free"
-    elif dual:
+    elif dual:  # Cholesky or eigh of the m×m matrix
         factor = 3 * mm * mm * g
         fdetail = f"3 × {mm:,}² × {g} B per λ"
     elif solver == "cholesky":
@@ -537,8 +543,8 @@ def plan_memory(
         samples=samples,
         rows=rows,
         rows_total=rows if rows_total is None else rows_total,
-        b=_itemsize(dtype),
-        g=_itemsize(gdt),
+        b=dtype.itemsize,
+        g=gdt.itemsize,
         converts=gdt != dtype,
         jacobian=jacobian,
         activations=activations,
@@ -563,9 +569,7 @@ def plan_memory(
         )
     return replace(
         chosen,
-        advice=_advice(
-            shape, chosen, solver, form, slice_size, memory_budget, available, gram_dtype, dtype
-        ),
+        advice=_advice(shape, chosen, slice_size, memory_budget, available, gram_dtype, dtype),
     )
 
 
@@ -647,8 +651,6 @@ def _fit(
 def _advice(
     shape: _Shape,
     plan: MemoryPlan,
-    solver: str,
-    form: str,
     slice_size: int | None,
     budget: int,
     available: int | None,

@@ -357,7 +357,8 @@ def _estimate(
         detail += ", + the previous slice"
     if shape.jacobian == "reverse":
         extra = s * (1 + k) * a * b
-        detail += ", + activations and their cotangents"
+        if a:
+            detail += ", + activations and their cotangents"
     elif shape.jacobian == "forward":
         # vmap over samples of forward mode: the n×n basis of tangents and its
         # per-parameter copies (6·n², measured), every parameter's tangent expanded to

@@ -102,6 +102,22 @@ def test_slice_is_the_largest_within_the_budget():
     assert plan.stage("jacobian slice") == s * 500 * (2 * 4 + 4 + 8)
 
 
+def test_forward_mode_slices_count_n_squared_tangents_per_sample():
+    n, b = 4021, 4
+    kw = {"parameters": n, "samples": 1000, "rows": 1000, "dtype": F32, "jacobian": "forward"}
+    kw["form"] = "primal"
+    plan = plan_memory(**kw)
+    s = plan.slice_size
+    j1 = s * n * b
+    # The slice, the previous slice and its float64 copy; the tangent basis and every
+    # parameter's tangent expanded to each sample (s·n² numbers).
+    assert plan.stage("jacobian slice") == 3 * j1 + s * n * 8 + 6 * n * n * b + s * n * n * b
+    assert plan.stage("jacobian slice") <= 1 << 30
+    assert plan_memory(slice_size=s + 1, **kw).stage("jacobian slice") > 1 << 30
+    # 1 GiB / (3·k·n·b), the rule before the planner, would allow 22,250 samples.
+    assert s < 20
+
+
 def test_slice_shrinks_to_fit_the_available_memory():
     kw = {"parameters": 500, "samples": 10_000, "rows": 10_000, "dtype": F32}
     roomy = plan_memory(available=1 << 40, **kw)
@@ -338,7 +354,7 @@ def test_a_gram_that_cannot_exist_is_refused_before_anything_is_allocated():
 
 MEASURE = textwrap.dedent(
     """
-    import json, torch
+    import json, sys, torch
     from torch import nn
     import secondorder as so
     from secondorder.linalg import NormalEquations, make_solver
@@ -359,9 +375,10 @@ MEASURE = textwrap.dedent(
         fn()
         return status("VmHWM") - before
 
+    wanted = set(sys.argv[1:])
     out = {}
     # The factorisation stage: Cholesky of the damped n×n Gram, one solve.
-    n = 2500
+    n = 2000
     torch.manual_seed(0)
     a = torch.randn(n + 10, n, dtype=torch.float64)
     gram = a.T @ a
@@ -389,7 +406,10 @@ MEASURE = textwrap.dedent(
         ("eigh primal", 40, 3000, {"solver": "eigh", "gram_dtype": torch.float32}),
         ("cg", 40, 3000, {"solver": "cg", "slice_size": 1000}),
         ("qr", 30, 3000, {"solver": "qr"}),
+        ("forward", 30, 8, {"jacobian": "forward", "slice_size": 4, "solver": "cholesky"}),
     ]:
+        if name not in wanted:
+            continue
         model = mlp(width)
         x = torch.randn(batch, 4, dtype=torch.float64)
         y = torch.randn(batch, 1, dtype=torch.float64)
@@ -402,11 +422,8 @@ MEASURE = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and os.access("/proc/self/clear_refs", os.W_OK)),
-    reason="measures peaks with Linux's /proc/self/clear_refs and VmHWM",
-)
-def test_estimates_are_within_25_percent_of_measured_peaks():
+def measure(cases: set[str]) -> dict[str, tuple[int, int]]:
+    """Run :data:`MEASURE` on ``cases``: {stage or step: (measured, estimated) bytes}."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -414,13 +431,38 @@ def test_estimates_are_within_25_percent_of_measured_peaks():
         "OMP_NUM_THREADS": "1",
     }
     done = subprocess.run(
-        [sys.executable, "-c", MEASURE], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", MEASURE, *sorted(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(results) == {
-        "factorisation", "cholesky primal", "cholesky dual", "eigh primal", "cg", "qr",
-    }  # fmt: skip
+    results: dict[str, tuple[int, int]] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) == {"factorisation"} | cases
+    return results
+
+
+def assert_within_25_percent(results: dict[str, tuple[int, int]]) -> None:
     for name, (measured, estimate) in results.items():
         assert measured > 20 * 2**20, (name, measured)  # well above the noise
         assert math.isclose(estimate, measured, rel_tol=0.25), (name, measured, estimate)
+
+
+LINUX_PEAKS = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and os.access("/proc/self/clear_refs", os.W_OK)),
+    reason="measures peaks with Linux's /proc/self/clear_refs and VmHWM",
+)
+
+
+@LINUX_PEAKS
+def test_estimates_are_within_25_percent_of_measured_peaks():
+    """The Cholesky factorisation stage, and whole steps in the dual and forward forms."""
+    assert_within_25_percent(measure({"cholesky dual", "forward"}))
+
+
+@LINUX_PEAKS
+@pytest.mark.slow
+def test_estimates_of_every_solver_are_within_25_percent_of_measured_peaks():
+    cases = {"cholesky primal", "cholesky dual", "eigh primal", "cg", "qr", "forward"}
+    assert_within_25_percent(measure(cases))

@@ -732,7 +732,8 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         """The memory plan :meth:`step` would follow on this batch, without stepping.
 
         The batch is validated as :meth:`step` validates it and the ``"auto"`` choices
-        are resolved, but no Jacobian is computed and nothing is updated.  The plan
+        are resolved (``jacobian="auto"`` may time both modes on a few samples, as
+        :meth:`step` would), but J is not computed and nothing is updated.  The plan
         is returned even when it does not fit (``plan.fits`` is False and
         ``plan.advice`` lists what would); :meth:`step` raises
         :class:`~secondorder.planner.PlanError` for it.  ``print(opt.plan(x, y))``

@@ -5,7 +5,7 @@ normal equations with an explicit Jacobian, and :func:`least_squares`, its funct
 counterpart for fitting the parameters of a model function.
 """
 
-from . import damping, jacobian, linalg, residuals
+from . import damping, jacobian, linalg, planner, residuals
 from .config import LMConfig
 from .curve_fit import (
     FitReport,
@@ -18,6 +18,7 @@ from .curve_fit import (
 from .fit import Callback, CSVLogger, History, TensorBoardLogger, fit
 from .least_squares import OptimizeResult, least_squares
 from .lm import LevenbergMarquardt, StepInfo
+from .planner import MemoryPlan, PlanError
 from .residuals import ModelResidual
 
 __all__ = [
@@ -27,8 +28,10 @@ __all__ = [
     "History",
     "LMConfig",
     "LevenbergMarquardt",
+    "MemoryPlan",
     "ModelResidual",
     "OptimizeResult",
+    "PlanError",
     "StepInfo",
     "TensorBoardLogger",
     "correlation",
@@ -40,6 +43,7 @@ __all__ = [
     "jacobian",
     "least_squares",
     "linalg",
+    "planner",
     "residuals",
     "standard_errors",
 ]

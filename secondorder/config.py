@@ -63,8 +63,13 @@ class LMConfig:
         solver: ``"auto"``, ``"cholesky"``, ``"eigh"``, ``"qr"``, ``"cg"``.
         form: ``"auto"`` (dual when residuals < parameters), ``"primal"``, ``"dual"``.
         max_attempts: attempts (λ values) per step before the step gives up.
-        slice_size: samples per Jacobian slice; ``None`` follows ``memory_budget``.
+        slice_size: samples per Jacobian slice; ``None``: the largest slice within
+            ``memory_budget`` whose step fits the memory available.
         memory_budget: bytes a Jacobian slice may take when ``slice_size`` is None.
+        memory_limit: bytes one step may use in all (see :mod:`secondorder.planner`);
+            ``None``: 90% of the device's free memory, measured before each step.
+            A step that cannot fit raises :class:`~secondorder.planner.PlanError`
+            before allocating anything, and ``solver="auto"`` picks one that fits.
         geodesic: add geodesic acceleration (Transtrum & Sethna).
         geodesic_alpha: largest accepted ``2‖a‖/‖v‖``.
         min_gain_ratio: smallest gain ratio ρ of an accepted step.
@@ -103,6 +108,7 @@ class LMConfig:
     max_attempts: int = 10
     slice_size: int | None = None
     memory_budget: int = 1 << 30
+    memory_limit: int | None = None
     geodesic: bool = False
     geodesic_alpha: float = 0.75
     min_gain_ratio: float = 1e-4
@@ -144,6 +150,7 @@ class LMConfig:
         _positive_int("max_attempts", self.max_attempts)
         _positive_int("slice_size", self.slice_size, allow_none=True)
         _positive_int("memory_budget", self.memory_budget)
+        _positive_int("memory_limit", self.memory_limit, allow_none=True)
         if not isinstance(self.geodesic, bool):
             raise TypeError(f"geodesic must be a bool, got {self.geodesic!r}")
         _positive("geodesic_alpha", self.geodesic_alpha)

@@ -33,6 +33,13 @@ from .distributed.solve import BroadcastSolver, ShardedCGSolver, ShardedNormalEq
 from .engine import EngineConfig, iterate
 from .jacobian import JacobianStrategy, ResidualProgram, make_jacobian
 from .linalg import LinearSolver, NormalEquations, make_solver
+from .planner import (
+    USABLE_FRACTION,
+    MemoryPlan,
+    PlanError,
+    available_memory,
+    plan_memory,
+)
 from .residuals import ModelResidual, mse
 
 __all__ = ["LevenbergMarquardt", "StepInfo"]
@@ -603,6 +610,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         #: Jacobian strategies chosen by ``jacobian="auto"``, per input signature.
         self._auto_cache: dict[str, str] = {}
         self._validated: set[str] = set()
+        self._memory_plan: MemoryPlan | None = None
 
     def _agree_across_ranks(
         self,
@@ -777,24 +785,22 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         inputs: Any,
         slice_size: int | None = None,
         m_total: int | None = None,
-    ) -> None:
+    ) -> MemoryPlan:
         """Choose form, solver, Jacobian strategy and slice size for this batch.
 
         ``m`` counts this rank's residuals, ``m_total`` those of every rank (the
         same on one process); form and solver follow the global problem, so every
-        rank chooses alike.
+        rank chooses alike.  The memory planner (:mod:`secondorder.planner`) resolves
+        ``solver="auto"``, ``form="auto"`` and the slice size; a step that cannot fit
+        raises :class:`~secondorder.planner.PlanError` here, before J is computed.
         """
-        cfg, prob, n = self.config, self._problem, self._problem.n
+        cfg, prob = self.config, self._problem
         m_all = m if m_total is None else m_total
-        dual = cfg.form == "dual" or (cfg.form == "auto" and m_all < n and cfg.solver != "cg")
-        solver = cfg.solver
-        if solver == "auto":
-            # An array-module backend exists to factor matrices too big for torch.
-            small = cfg.linalg_backend != "torch" or (m_all if dual else n) <= 8192
-            solver = "cholesky" if small else "cg"
-            if solver == "cg" and dual:
-                dual = False
-        prob.form = "dual" if dual else "primal"
+        name = self._choose_jacobian(batch, m, self._signature(inputs, m))
+        slice_size = slice_size if slice_size is not None else cfg.slice_size
+        plan = self._plan(batch, m, m_all, name, slice_size)
+        solver = plan.solver
+        prob.form = plan.form
         prob.gram_dtype = cfg.gram_dtype
         cg = {"cg_rtol": cfg.cg_rtol, "cg_max_iter": cfg.cg_max_iter, "cg_forcing": cfg.cg_forcing}
         if self.reducer.world_size > 1:
@@ -806,19 +812,91 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             prob.solver = BroadcastSolver(inner, self.reducer)
         else:
             prob.solver = make_backend_solver(solver, cfg.linalg_backend, cfg.gram_dtype, **cg)
-        name = self._choose_jacobian(batch, m, self._signature(inputs, m))
-        k = max(1, m // batch)
-        slice_size = slice_size if slice_size is not None else cfg.slice_size
-        if slice_size is not None:
-            prob.slice_size = slice_size
-        else:
-            itemsize = prob.params[0].element_size()
-            prob.slice_size = max(1, cfg.memory_budget // (3 * k * n * itemsize))
-            if len(prob.group) > 1:
-                # At least one slice per device, or some devices would sit idle.
-                prob.slice_size = min(prob.slice_size, -(-batch // len(prob.group)))
+        prob.slice_size = plan.slice_size
+        if slice_size is None and len(prob.group) > 1:
+            # At least one slice per device, or some devices would sit idle.
+            prob.slice_size = min(prob.slice_size, -(-batch // len(prob.group)))
         chunk = slice_size if name.startswith("batch") else None
         prob.strategy = make_jacobian(name, chunk)
+        self._memory_plan = plan
+        return plan
+
+    def _plan(
+        self,
+        batch: int,
+        m: int,
+        m_all: int,
+        jacobian: str,
+        slice_size: int | None,
+    ) -> MemoryPlan:
+        """The memory plan of this step; raise :class:`PlanError` if it cannot fit."""
+        cfg, prob = self.config, self._problem
+        p0 = prob.params[0]
+        available: int | None = cfg.memory_limit
+        source = "memory_limit"
+        if available is None:
+            free, where = available_memory(p0.device)
+            available = None if free is None else int(free * USABLE_FRACTION)
+            source = where if free is None else f"{USABLE_FRACTION:.0%} of {where}"
+
+        def agree(fits: list[bool]) -> list[bool]:
+            # Every rank must pick the same solver and form: a candidate counts as
+            # fitting only where it fits on every rank.
+            flags = torch.tensor([0.0 if f else 1.0 for f in fits], dtype=torch.float64)
+            flags = flags.to(p0.device)
+            self.reducer.sum_([flags])
+            return [bool(v == 0) for v in flags]
+
+        plan = plan_memory(
+            parameters=prob.n,
+            samples=batch,
+            rows=m,
+            rows_total=m_all,
+            dtype=p0.dtype,
+            gram_dtype=cfg.gram_dtype,
+            jacobian=jacobian,
+            # An array-module backend exists to factor matrices too big for torch, and
+            # offers no CG: under "auto" it always factors.
+            solver="cholesky"
+            if cfg.solver == "auto" and cfg.linalg_backend != "torch"
+            else cfg.solver,
+            form=cfg.form,
+            slice_size=slice_size,
+            memory_budget=cfg.memory_budget,
+            available=available,
+            available_source=source,
+            world_size=self.reducer.world_size,
+            agree=agree if self.reducer.world_size > 1 else None,
+        )
+        if not plan.fits:
+            raise PlanError(plan)
+        return plan
+
+    def plan(
+        self, inputs: Any, targets: Any = None, *, slice_size: int | None = None
+    ) -> MemoryPlan:
+        """The memory plan :meth:`step` would follow on this batch, without stepping.
+
+        The batch is validated as :meth:`step` validates it and the ``"auto"`` choices
+        are resolved (``jacobian="auto"`` may time both modes on a few samples, as
+        :meth:`step` would), but J is not computed and nothing is updated.  The plan
+        is returned even when it does not fit (``plan.fits`` is False and
+        ``plan.advice`` lists what would); :meth:`step` raises
+        :class:`~secondorder.planner.PlanError` for it.  ``print(opt.plan(x, y))``
+        shows the bytes of each stage.  With several ranks, call it on every rank.
+        """
+        batch, m, m_total, _ = self._check_step(inputs, targets, slice_size)
+        prob = self._problem
+        prob.inputs, prob.targets, prob.batch_size = inputs, targets, batch
+        try:
+            return self._configure(batch, m, inputs, slice_size, m_total)
+        except PlanError as exc:
+            return exc.plan
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        """The :class:`~secondorder.planner.MemoryPlan` of the last step (or plan)."""
+        return self._memory_plan
 
     def step(  # type: ignore[override]
         self, inputs: Any, targets: Any = None, *, slice_size: int | None = None

@@ -1,0 +1,710 @@
+r"""Memory planning: how many bytes one LM step needs, decided before any is allocated.
+
+An LM step goes through stages whose sizes follow from shapes alone.  With ``n``
+parameters, ``m`` residual rows, ``s`` samples per Jacobian slice, ``k`` rows per
+sample, ``b`` bytes per parameter entry and ``g`` bytes per entry of the Gram's dtype:
+
+========================  ==========================================================
+stage                     bytes (what is alive at its peak)
+========================  ==========================================================
+Jacobian slice            ``2·s·k·n·b`` (the strategy's per-parameter blocks and the
+                          flattened copy) plus, with several slices, the previous
+                          slice and its copy in the Gram's dtype; forward mode adds
+                          its tangents, whole-batch modes their cotangents
+Gram ``JᵀJ``              ``n²·g`` (primal form, Cholesky or eigh)
+stored rows of J          ``m·n·b``, twice while the slices are concatenated (dual
+                          form, QR, CG)
+dual matrix               ``J D^-½`` (``m·n·g``) and ``J D⁻¹Jᵀ`` (``m²·g``)
+factorisation             Cholesky ``3n²·g`` (damped copy, factor, LAPACK's copy),
+                          eigh ``4n²·g`` (scaled matrix, eigenvectors, workspace),
+                          dual ``3m²·g``, QR the factors of J and of the per-λ stack
+CG vectors                nine n-vectors and an m-vector
+trial evaluation          the residuals and activations of one slice
+finite check              ``(itemsize + 3)`` bytes per entry of the Gram or of J
+                          (``|x|`` and three boolean masks)
+========================  ==========================================================
+
+The constants (3 and 4 for the factorisations, 3 bytes for the check) were measured
+on CPU (LAPACK through torch); with them the peak resident memory of whole steps
+agrees with the estimate to within a few percent (``tests/test_planner.py`` checks
+25%).  The whole-step peak is the larger of two phases: *linearise* (vectors, the
+Gram, the stored rows, one slice being computed or the rows being concatenated,
+then the finiteness check) and *solve* (vectors, the Gram or the rows, the dual
+matrix, the factorisation, CG vectors and one trial evaluation).
+
+What is not modelled: memory the framework keeps for itself (the CUDA context, the
+caching allocator's fragmentation), the model's own buffers, and the model's
+activations, which only :func:`plan_memory`'s ``activations`` argument describes (one
+number, the entries a sample saves for backward, from :func:`activation_numel`).
+:class:`~secondorder.lm.LevenbergMarquardt` passes 0: it evaluates the model only
+on the schedule of a step.  For per-sample reverse mode, the default, activations
+are small next to J (a sample's k rows of J hold k·n numbers; its activations, the
+widths of its layers).  Forward mode and the whole-batch modes push n tangents or
+m cotangents through the activations, so for them the estimate is a lower bound.
+That is also why a measured free memory is used only up to :data:`USABLE_FRACTION`.
+
+Why plan at all: a Gram of ``n = 10⁵`` parameters is 80 GB in float64, and a
+per-sample forward-mode Jacobian materialises ``n²`` numbers per sample.  Finding
+that out from an out-of-memory error in the middle of a step wastes the work done so
+far; the planner finds it from the shapes, picks the largest slice that fits, lets
+``solver="auto"`` fall back to matrix-free CG, and otherwise raises
+:class:`PlanError` naming the options that would fit.
+
+:func:`plan_memory` is a pure function of shapes, dtypes and options, so a plan can
+be computed for a machine you do not have (pass ``available``) and tested without
+allocating anything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DIRECT_SOLVE_LIMIT",
+    "USABLE_FRACTION",
+    "MemoryPlan",
+    "PlanError",
+    "Stage",
+    "activation_numel",
+    "available_memory",
+    "plan_memory",
+]
+
+#: Under ``solver="auto"``, the largest normal matrix (n in the primal form, m in the
+#: dual) that is factored directly; beyond it the O(size³) factorisation costs more
+#: than CG's iterations, whatever the memory.
+DIRECT_SOLVE_LIMIT = 8192
+#: Share of a *measured* free memory a plan may use; the rest covers what the model
+#: does not count (allocator fragmentation, the model's buffers, other processes).
+USABLE_FRACTION = 0.9
+
+_SOLVERS = ("auto", "cholesky", "eigh", "qr", "cg")
+_FORMS = ("auto", "primal", "dual")
+_JACOBIANS = ("reverse", "forward", "batch_reverse", "batch_forward")
+
+
+class PlanError(MemoryError):
+    """A step that cannot fit the memory available, raised before anything is allocated.
+
+    Attributes:
+        plan: the :class:`MemoryPlan` that did not fit; ``plan.advice`` lists the
+            options that would.
+    """
+
+    def __init__(self, plan: MemoryPlan, message: str | None = None) -> None:
+        super().__init__(message or plan.explain())
+        self.plan = plan
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The bytes one stage of a step allocates, and how they were counted."""
+
+    name: str
+    bytes: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one LM step will allocate, stage by stage, and whether it fits.
+
+    Attributes:
+        parameters: n, the columns of J.
+        samples: samples of the batch on this process.
+        rows: residual rows of the batch on this process.
+        rows_total: residual rows over every process.
+        jacobian: the Jacobian strategy the estimate assumes.
+        solver: the solver chosen (``"auto"`` resolved).
+        form: ``"primal"`` or ``"dual"`` (``"auto"`` resolved).
+        slice_size: samples per Jacobian slice (the batch, for whole-batch modes).
+        stages: bytes of every stage.
+        linearize_bytes: peak of the linearisation phase.
+        solve_bytes: peak of the factorisation, solves and trial evaluations.
+        peak_bytes: the larger of the two phases: the estimate of the step's peak.
+        available_bytes: what the step may use (``None``: unknown, not checked).
+        available_source: where ``available_bytes`` came from.
+        fits: ``peak_bytes <= available_bytes`` and the slice respects the budget.
+        advice: options that would fit, when this plan does not.
+    """
+
+    parameters: int
+    samples: int
+    rows: int
+    rows_total: int
+    jacobian: str
+    solver: str
+    form: str
+    slice_size: int
+    stages: tuple[Stage, ...]
+    linearize_bytes: int
+    solve_bytes: int
+    peak_bytes: int
+    available_bytes: int | None
+    available_source: str
+    fits: bool
+    advice: tuple[str, ...] = ()
+
+    def stage(self, name: str) -> int:
+        """Bytes of the stage called ``name`` (0 when the step has no such stage)."""
+        for s in self.stages:
+            if s.name == name:
+                return s.bytes
+        return 0
+
+    def explain(self) -> str:
+        """A one-paragraph account of why the plan does not fit and what would."""
+        biggest = sorted(self.stages, key=lambda s: -s.bytes)[:3]
+        parts = ", ".join(f"{s.name} {_size(s.bytes)}" for s in biggest if s.bytes)
+        avail = (
+            "an unknown amount"
+            if self.available_bytes is None
+            else f"{self.available_bytes:,} bytes ({_size(self.available_bytes)})"
+        )
+        text = (
+            f"solver={self.solver!r}, form={self.form!r}, slice_size={self.slice_size} needs "
+            f"about {self.peak_bytes:,} bytes ({_size(self.peak_bytes)}: {parts}) for n="
+            f"{self.parameters:,} parameters and m={self.rows_total:,} residuals, but "
+            f"{avail} are available ({self.available_source})."
+        )
+        if self.advice:
+            text += " Options that would fit: " + "; ".join(self.advice) + "."
+        else:
+            text += " No option of this optimizer fits: use a smaller batch or model."
+        return text
+
+    def __str__(self) -> str:
+        width = max(len(s.name) for s in self.stages)
+        lines = [
+            f"MemoryPlan: solver={self.solver}, form={self.form}, jacobian={self.jacobian}, "
+            f"slice_size={self.slice_size}, n={self.parameters:,}, m={self.rows_total:,}",
+        ]
+        for s in self.stages:
+            lines.append(f"  {s.name:<{width}}  {_size(s.bytes):>10}  {s.detail}")
+        lines.append(f"  {'linearize peak':<{width}}  {_size(self.linearize_bytes):>10}")
+        lines.append(f"  {'solve peak':<{width}}  {_size(self.solve_bytes):>10}")
+        lines.append(f"  {'step peak':<{width}}  {_size(self.peak_bytes):>10}")
+        avail = "unknown" if self.available_bytes is None else _size(self.available_bytes)
+        lines.append(f"  {'available':<{width}}  {avail:>10}  {self.available_source}")
+        lines.append(f"  fits: {self.fits}")
+        lines.extend(f"  would fit: {a}" for a in self.advice)
+        return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------
+# Free memory of a device
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_headroom() -> int | None:
+    """Limit minus usage of this container's memory cgroup (v2, then v1), if limited."""
+    pairs = (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    )
+    for limit_path, usage_path in pairs:
+        try:
+            with open(limit_path) as f:
+                raw = f.read().strip()
+            if raw == "max":
+                return None
+            limit = int(raw)
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        # cgroup v1 reports "no limit" as a huge page-aligned number.
+        if limit >= 1 << 60:
+            return None
+        return max(0, limit - usage)
+    return None
+
+
+def available_memory(device: torch.device | str) -> tuple[int | None, str]:
+    """Bytes free on ``device`` now, and where the number came from.
+
+    * CUDA: ``torch.cuda.mem_get_info`` (free memory on the device) plus what torch's
+      caching allocator holds reserved but unused, which it will hand out first.
+    * CPU: ``MemAvailable`` from ``/proc/meminfo`` (free memory plus caches the kernel
+      can drop), capped by the container's cgroup limit when there is one; where
+      ``/proc`` is missing (macOS, Windows), ``os.sysconf`` free pages, which leave
+      out reclaimable caches and so err low.
+    * Anything else: ``(None, "unknown")``; the plan is then not checked against
+      free memory, only against ``memory_limit`` and ``memory_budget``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + cached), f"{device} free memory (torch.cuda.mem_get_info)"
+    if device.type == "cpu":
+        avail = _meminfo_available()
+        source = "MemAvailable in /proc/meminfo"
+        if avail is None:
+            try:
+                avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                source = "free pages from os.sysconf"
+            except (AttributeError, ValueError, OSError):
+                return None, "unknown (no /proc/meminfo or os.sysconf)"
+        cgroup = _cgroup_headroom()
+        if cgroup is not None and cgroup < avail:
+            return cgroup, "cgroup memory limit minus usage"
+        return avail, source
+    return None, f"unknown for device type {device.type!r}"
+
+
+def activation_numel(fn: Callable[[], Tensor], exclude: Sequence[Tensor] = ()) -> int:
+    """Entries of the tensors autograd saves while ``fn()`` runs (its activations).
+
+    Called on one or two samples, this measures how much a sample's forward pass
+    keeps for the backward pass, the one property of the model's layers the planner
+    needs.  Storages shared by several saved tensors (views of one activation) are
+    counted once, and those of ``exclude`` (the parameters, which layers save to
+    differentiate their inputs) not at all.  Returns 0 for a function that applies
+    ``torch.func`` transforms itself, which saved-tensor hooks cannot observe.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[tuple[int, tuple[int, ...]], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        # A saved slice of a larger tensor (the probe's inputs) keeps the whole
+        # storage alive, but a slice of s samples saves s such rows: count the view.
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[(t.data_ptr(), tuple(t.shape))] = t.numel()
+        return t
+
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+    except RuntimeError as exc:
+        # A function that runs torch.func transforms inside (a residual with
+        # derivatives in the inputs) cannot be observed this way: count nothing.
+        if "saved tensor hooks" not in str(exc):
+            raise
+        return 0
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------------------
+# The estimate of one configuration
+
+
+@dataclass(frozen=True)
+class _Shape:
+    n: int
+    samples: int
+    rows: int
+    rows_total: int
+    b: int  # bytes per entry of J (the parameters' dtype)
+    g: int  # bytes per entry of the Gram / factorisations
+    converts: bool  # J is copied into the Gram's dtype
+    jacobian: str
+    activations: int  # entries a sample saves for backward
+    world_size: int
+
+
+def _estimate(
+    shape: _Shape, solver: str, dual: bool, slice_size: int, chunk: int | None
+) -> tuple[tuple[Stage, ...], int, int]:
+    """Stages and the two phase peaks of one fully resolved configuration."""
+    n, b, g = shape.n, shape.b, shape.g
+    k = max(1, math.ceil(shape.rows / max(1, shape.samples)))
+    per_sample = not shape.jacobian.startswith("batch")
+    s = min(slice_size, shape.samples) if per_sample else shape.samples
+    slice_rows = min(s * k, shape.rows) if per_sample else shape.rows
+    several = per_sample and s < shape.samples
+    store = dual or solver in ("qr", "cg")
+    gram = not store
+    a = shape.activations
+
+    # -- Jacobian slice -------------------------------------------------------------
+    j1 = slice_rows * n * b
+    copy = slice_rows * n * g if gram and shape.converts else 0
+    work = max(2 * j1, j1 + copy)  # the strategy's blocks and their flattened copy
+    detail = f"{slice_rows:,} rows × {n:,} × {b} B, ×2 while flattened"
+    if gram and several:
+        # The previous slice (and its copy in the Gram's dtype) is still referenced
+        # while the next one is computed.
+        work = 2 * j1 + j1 + copy
+        detail += ", + the previous slice"
+    if shape.jacobian == "reverse":
+        extra = s * (1 + k) * a * b
+        if a:
+            detail += ", + activations and their cotangents"
+    elif shape.jacobian == "forward":
+        # vmap over samples of forward mode: the n×n basis of tangents and its
+        # per-parameter copies (6·n², measured), every parameter's tangent expanded to
+        # each sample of the slice (s·n·n), and the activations' tangents (s·n·a).
+        extra = 6 * n * n * b + s * n * (n + a) * b
+        detail += ", + n×n tangent basis and s·n·(n + activations) tangents"
+    elif shape.jacobian == "batch_reverse":
+        c = min(chunk or shape.rows, shape.rows)
+        extra = c * shape.rows * b + c * shape.samples * a * b
+        detail += f", + {c:,} cotangents through the whole batch's activations"
+    else:  # batch_forward
+        extra = n * n * b + n * shape.samples * a * b
+        detail += ", + n tangents through the whole batch's activations"
+    stages = [Stage("jacobian slice", work + extra, detail)]
+
+    # -- Gram, stored rows ----------------------------------------------------------
+    gram_bytes = n * n * g if gram else 0
+    stages.append(Stage("gram", gram_bytes, f"{n:,}² × {g} B" if gram else "not formed"))
+    gathered = store and solver != "cg" and shape.world_size > 1
+    rows_here = shape.rows_total if gathered else shape.rows
+    local_rows = shape.rows * n * b if store else 0
+    rows_bytes = rows_here * (n + (1 if gathered else 0)) * b if store else 0
+    why = "gathered from every rank" if gathered else "this rank's rows"
+    stages.append(
+        Stage(
+            "stored rows",
+            rows_bytes,
+            f"{rows_here:,} × {n:,} × {b} B ({why}), ×2 while concatenated"
+            if store
+            else "not kept",
+        )
+    )
+
+    # -- dual matrix, factorisation, CG ---------------------------------------------
+    mm = rows_here
+    # QR factors J itself in either form; only Cholesky and eigh build J D⁻¹Jᵀ.
+    dual = dual and solver in ("cholesky", "eigh")
+    dual_bytes = mm * n * g + mm * mm * g if dual else 0
+    stages.append(
+        Stage(
+            "dual matrix",
+            dual_bytes,
+            f"J D^-½ ({mm:,} × {n:,}) and {mm:,}² × {g} B" if dual else "primal form",
+        )
+    )
+    if solver == "cg":
+        factor = 0
+        fdetail = "matrix-free"
+    elif dual:  # Cholesky or eigh of the m×m matrix
+        factor = 3 * mm * mm * g
+        fdetail = f"3 × {mm:,}² × {g} B per λ"
+    elif solver == "cholesky":
+        factor = 3 * n * n * g
+        fdetail = f"3 × {n:,}² × {g} B: damped copy, LAPACK's copy, factor"
+    elif solver == "eigh":
+        factor = 4 * n * n * g
+        fdetail = f"4 × {n:,}² × {g} B: scaled matrix, eigenvectors, workspace"
+    else:  # qr
+        p = min(mm, n)
+        conv = mm * n * g if shape.converts else 0
+        per_lam = 3 * (p + n) * n * g + n * n * g
+        if mm > n:
+            # J = Q0 R0 (LAPACK copies J first), then a QR of [R0; √λD^½] per λ.
+            resident = mm * n * g + n * n * g
+            factor = conv + max(resident + mm * n * g, resident + per_lam)
+        else:
+            factor = conv + per_lam
+        fdetail = f"Q0, R0 and the ({p:,} + {n:,}) × {n:,} stack per λ"
+    stages.append(Stage("factorisation", factor, fdetail))
+    cg_bytes = (9 * n + mm) * b if solver == "cg" else 0
+    stages.append(Stage("cg vectors", cg_bytes, "9 n-vectors and an m-vector" if cg_bytes else "-"))
+
+    # -- vectors, trial ---------------------------------------------------------------
+    vectors = 8 * n * b + 2 * n * g
+    stages.append(Stage("vectors", vectors, "x, Jᵀr, diag(JᵀJ), D, δ, trial x"))
+    trial = slice_rows * b + s * a * b
+    stages.append(Stage("trial", trial, "residuals and activations of one slice"))
+
+    # After linearising, the step checks J (or the Gram) for non-finite entries:
+    # |x| and three boolean masks, measured at itemsize + 3 bytes per entry.
+    checked = max(gram_bytes // g * (g + 3), rows_here * n * (b + 3) if store else 0)
+    stages.append(Stage("finite check", checked, "|x| and three masks over the Gram or J"))
+
+    if store:
+        # Rows already stored when the last slice is computed, then the concatenation.
+        before_last = max(0, local_rows - j1)
+        concat = 2 * local_rows + (rows_bytes + local_rows if gathered else 0)
+        linearize = max(before_last + work + extra, concat)
+    else:
+        # The Gram is allocated after the first slice.
+        linearize = max(2 * j1 + extra, gram_bytes + j1 + copy)
+        if several:
+            linearize = max(linearize, gram_bytes + work + extra)
+    linearize = vectors + max(linearize, gram_bytes + rows_bytes + checked)
+    solve = vectors + gram_bytes + rows_bytes + dual_bytes + factor + cg_bytes + trial
+    return tuple(stages), linearize, solve
+
+
+# ---------------------------------------------------------------------------------------
+# The plan
+
+
+def _check(name: str, value: object, lo: int = 1, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"Invalid {name}={value!r}: must be an integer >= {lo}.")
+
+
+def plan_memory(
+    *,
+    parameters: int,
+    samples: int,
+    rows: int,
+    rows_total: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    gram_dtype: torch.dtype | None = torch.float64,
+    jacobian: str = "reverse",
+    solver: str = "auto",
+    form: str = "auto",
+    slice_size: int | None = None,
+    memory_budget: int = 1 << 30,
+    available: int | None = None,
+    available_source: str = "given",
+    activations: int = 0,
+    world_size: int = 1,
+    agree: Callable[[list[bool]], list[bool]] | None = None,
+) -> MemoryPlan:
+    """Plan one LM step: resolve ``"auto"`` choices and the slice size, and check the fit.
+
+    Args:
+        parameters: n, the trainable scalars.
+        samples: samples of this process's batch.
+        rows: residual rows of this process's batch.
+        rows_total: residual rows over every process (default ``rows``).
+        dtype: the parameters' dtype (that of J).
+        gram_dtype: dtype of ``JᵀJ``, ``JD⁻¹Jᵀ`` and the factorisations (``None``:
+            ``dtype``).
+        jacobian: the resolved Jacobian strategy.
+        solver: ``"auto"``, ``"cholesky"``, ``"eigh"``, ``"qr"`` or ``"cg"``.
+        form: ``"auto"``, ``"primal"`` or ``"dual"``.
+        slice_size: samples per Jacobian slice; ``None`` picks the largest that
+            keeps the slice within ``memory_budget`` and the step within
+            ``available``.  For whole-batch strategies it is the chunk of
+            cotangents ``batch_reverse`` pushes at once.
+        memory_budget: bytes the Jacobian slice may use when ``slice_size`` is None.
+        available: bytes the whole step may use; ``None`` checks nothing.
+        available_source: where ``available`` came from, for messages.
+        activations: entries one sample's forward pass saves for backward
+            (:func:`activation_numel`); 0 leaves activations out.
+        world_size: processes sharing the batch.
+        agree: with several processes, maps this process's list "candidate fits"
+            to the list for every process (a candidate fits where it fits on all),
+            so that all processes choose alike; called exactly once.
+
+    Returns:
+        The :class:`MemoryPlan`.  Under ``solver="auto"`` the choice is the one the
+        optimizer has always made (Cholesky up to :data:`DIRECT_SOLVE_LIMIT` rows or
+        columns, in the dual form when residuals are fewer than parameters, CG
+        beyond), moved to the other form or to CG only when that choice does not fit.
+        A plan with ``fits=False`` carries ``advice``.
+    """
+    _check("parameters", parameters)
+    _check("samples", samples)
+    _check("rows", rows)
+    _check("rows_total", rows_total, allow_none=True)
+    _check("slice_size", slice_size, allow_none=True)
+    _check("memory_budget", memory_budget)
+    _check("available", available, lo=0, allow_none=True)
+    _check("activations", activations, lo=0)
+    _check("world_size", world_size)
+    if solver not in _SOLVERS:
+        raise ValueError(f"Unknown solver={solver!r}; valid choices are {_SOLVERS}.")
+    if form not in _FORMS:
+        raise ValueError(f"Unknown form={form!r}; valid choices are {_FORMS}.")
+    if jacobian not in _JACOBIANS:
+        raise ValueError(f"Unknown jacobian={jacobian!r}; valid choices are {_JACOBIANS}.")
+    if not dtype.is_floating_point:
+        raise ValueError(f"Invalid dtype={dtype}: must be a floating dtype.")
+    gdt = gram_dtype or dtype
+    shape = _Shape(
+        n=parameters,
+        samples=samples,
+        rows=rows,
+        rows_total=rows if rows_total is None else rows_total,
+        b=dtype.itemsize,
+        g=gdt.itemsize,
+        converts=gdt != dtype,
+        jacobian=jacobian,
+        activations=activations,
+        world_size=world_size,
+    )
+    candidates = _candidates(shape, solver, form)
+    plans = [
+        _fit(shape, c_solver, c_dual, slice_size, memory_budget, available, available_source)
+        for c_solver, c_dual in candidates
+    ]
+    fits = [p.fits for p in plans]
+    if agree is not None:
+        fits = agree(fits)
+    chosen = next((p for p, ok in zip(plans, fits, strict=True) if ok), None)
+    if chosen is not None:
+        return chosen
+    chosen = plans[0]
+    if chosen.fits:
+        # It fits here, but not on another process, where the error is explained.
+        return replace(
+            chosen, fits=False, available_source=chosen.available_source + "; not on every rank"
+        )
+    return replace(
+        chosen,
+        advice=_advice(shape, chosen, slice_size, memory_budget, available, gram_dtype, dtype),
+    )
+
+
+def _candidates(shape: _Shape, solver: str, form: str) -> list[tuple[str, bool]]:
+    """(solver, dual) in order of preference."""
+    m_all, n = shape.rows_total, shape.n
+    dual = form == "dual" or (form == "auto" and m_all < n and solver != "cg")
+    if solver != "auto":
+        return [(solver, dual)]
+    out: list[tuple[str, bool]] = []
+    if (m_all if dual else n) <= DIRECT_SOLVE_LIMIT:
+        out.append(("cholesky", dual))
+    if form == "auto" and (n if dual else m_all) <= DIRECT_SOLVE_LIMIT:
+        out.append(("cholesky", not dual))
+    out.append(("cg", False))
+    return out
+
+
+def _fit(
+    shape: _Shape,
+    solver: str,
+    dual: bool,
+    slice_size: int | None,
+    budget: int,
+    available: int | None,
+    source: str,
+    budget_applies: bool = True,
+) -> MemoryPlan:
+    """The plan of one configuration, with the largest slice that fits when not fixed."""
+    per_sample = not shape.jacobian.startswith("batch")
+    chunk = slice_size if not per_sample else None
+
+    def build(s: int) -> MemoryPlan:
+        stages, lin, sol = _estimate(shape, solver, dual, s, chunk)
+        peak = max(lin, sol)
+        ok = available is None or peak <= available
+        return MemoryPlan(
+            parameters=shape.n,
+            samples=shape.samples,
+            rows=shape.rows,
+            rows_total=shape.rows_total,
+            jacobian=shape.jacobian,
+            solver=solver,
+            form="dual" if dual else "primal",
+            slice_size=s if per_sample else shape.samples,
+            stages=stages,
+            linearize_bytes=lin,
+            solve_bytes=sol,
+            peak_bytes=peak,
+            available_bytes=available,
+            available_source=source,
+            fits=ok,
+        )
+
+    if not per_sample:
+        return build(shape.samples)
+    if slice_size is not None:
+        return build(min(slice_size, shape.samples))
+
+    def good(s: int) -> bool:
+        plan = build(s)
+        within = not budget_applies or plan.stage("jacobian slice") <= budget or s == 1
+        return plan.fits and within
+
+    # Both the slice's bytes and the step's peak grow with s: bisect for the largest
+    # slice that respects the budget and fits.
+    lo, hi = 1, shape.samples
+    if good(hi):
+        return build(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if good(mid):
+            lo = mid
+        else:
+            hi = mid
+    return build(lo)
+
+
+def _advice(
+    shape: _Shape,
+    plan: MemoryPlan,
+    slice_size: int | None,
+    budget: int,
+    available: int | None,
+    gram_dtype: torch.dtype | None,
+    dtype: torch.dtype,
+) -> tuple[str, ...]:
+    """Options, each changing one thing, under which the step would fit."""
+    if available is None:
+        return ()
+    out: list[str] = []
+    dual = plan.form == "dual"
+    per_sample = not shape.jacobian.startswith("batch")
+    s = slice_size if per_sample else None
+    if per_sample and slice_size is not None:
+        smaller = _fit(shape, plan.solver, dual, None, budget, available, "", False)
+        if smaller.fits:
+            out.append(f"slice_size={smaller.slice_size} (needs {_size(smaller.peak_bytes)})")
+    others: list[tuple[str, str, bool]] = []
+    if plan.solver != "cg":
+        others.append(("solver='cg'", "cg", False))
+    if plan.solver in ("cholesky", "eigh"):
+        others.append((f"form={'primal' if dual else 'dual'!r}", plan.solver, not dual))
+    if plan.solver in ("eigh", "qr"):
+        others.append(("solver='cholesky'", "cholesky", dual))
+    cg_fits = False
+    for label, name, in_dual in others:
+        option = _fit(shape, name, in_dual, s, budget, available, "")
+        if option.fits:
+            out.append(f"{label} (needs {_size(option.peak_bytes)})")
+            cg_fits = cg_fits or name == "cg"
+    if shape.g > 4 and plan.solver != "cg" and gram_dtype != torch.float32:
+        small = replace(shape, g=4, converts=dtype != torch.float32)
+        f32 = _fit(small, plan.solver, dual, s, budget, available, "")
+        if f32.fits:
+            out.append(f"gram_dtype=torch.float32 (needs {_size(f32.peak_bytes)})")
+    # More ranks split the batch; with CG, each keeps only its own rows of J.
+    for ranks in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        if cg_fits:
+            break
+        total = shape.world_size * ranks
+        rows = max(1, math.ceil(shape.rows_total / total))
+        samples = max(1, math.ceil(shape.samples * shape.world_size / total))
+        spread = replace(shape, rows=rows, rows_total=shape.rows_total, samples=samples)
+        option = _fit(replace(spread, world_size=total), "cg", False, s, budget, available, "")
+        if option.fits:
+            out.append(
+                f"solver='cg' over {total} ranks or devices (needs {_size(option.peak_bytes)} "
+                "on each)"
+            )
+            break
+    if not per_sample:
+        out.append(
+            "a per-sample jacobian ('reverse'), which slices the batch: possible when "
+            "samples do not interact (call model.eval() for BatchNorm)"
+        )
+    return tuple(out)

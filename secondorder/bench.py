@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
+from .linalg import gram_update
 from .lm import LevenbergMarquardt
 from .residuals import cross_entropy, mse
 
@@ -438,7 +439,42 @@ class ProblemResult:
             "adam_lr_choice": p.adam_note,
             "methods": [m.summary(p.target, p.kind) for m in self.methods],
             "floor": self.floor,
+            "comparisons": self.comparisons(),
         }
+
+    def comparisons(self) -> list[dict[str, Any]]:
+        """Each secondorder LM config against the peers, measured in this run.
+
+        ``step_speedup_vs_tlm``: torch-levenberg-marquardt's median seconds per step
+        over this config's.  ``time_to_target_speedup``: the fastest peer's time to
+        the target over this config's, among the peers that reached it (``None`` if
+        this config or no peer reached it; ``peers_reaching_target`` says which did).
+        """
+        p = self.problem
+        ran = [m for m in self.methods if m.status != "skipped" and m.step_seconds]
+        ours = [m for m in ran if m.name.startswith("secondorder")]
+        peers = [m for m in ran if not m.name.startswith("secondorder")]
+        tlm = next((m for m in peers if m.name.startswith("torch-levenberg")), None)
+        reached = {m.name: m.time_to(p.target, p.kind) for m in peers}
+        reached = {k: v for k, v in reached.items() if math.isfinite(v)}
+        best_peer = min(reached.values()) if reached else math.nan
+        out = []
+        for m in ours:
+            mine = m.time_to(p.target, p.kind)
+            out.append(
+                {
+                    "config": m.name,
+                    "step_speedup_vs_tlm": (tlm.median_step / m.median_step) if tlm else None,
+                    "time_to_target_s": mine if math.isfinite(mine) else None,
+                    "peers_reaching_target": sorted(reached),
+                    "time_to_target_speedup": (
+                        best_peer / mine
+                        if math.isfinite(mine) and math.isfinite(best_peer)
+                        else None
+                    ),
+                }
+            )
+        return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -740,10 +776,10 @@ def measure_floor(
         if prob.form == "dual":
             j = torch.cat(jacs).to(gdt)
             return j @ j.T
-        g = torch.zeros(n, n, dtype=gdt)
+        g: Tensor | None = None
         for j in jacs:
-            jg = j.to(gdt)
-            g.addmm_(jg.T, jg)
+            g = gram_update(g, j, gdt)  # what linearize does, conversion included
+        assert g is not None
         return g
 
     t_gram = _median_time(gram, reps)
@@ -907,6 +943,25 @@ def markdown(results: Sequence[ProblemResult], header: str) -> str:
             lines.append(
                 f"| {r.name} | {r.settings} | {r.steps[-1]} | {_fmt_s(r.median_step)} | "
                 f"{reached} | {r.losses[-1]:.3e} |{acc} {stage} | {status} |"
+            )
+        lines.append("")
+        for c in pr.comparisons():
+            speed = c["step_speedup_vs_tlm"]
+            tt = c["time_to_target_speedup"]
+            lines.append(
+                f"- {c['config']}: "
+                + (
+                    f"{speed:.2f}x less time per step than torch-levenberg-marquardt; "
+                    if speed is not None
+                    else "torch-levenberg-marquardt did not run; "
+                )
+                + (
+                    f"reaches the target {tt:.1f}x sooner than the fastest peer that reaches it."
+                    if tt is not None
+                    else "target not reached by this config."
+                    if c["time_to_target_s"] is None
+                    else "reaches the target; no peer does."
+                )
             )
         lines.append("")
         if pr.floor:

@@ -29,8 +29,8 @@ from .damping import DampingState, make_damping_matrix, make_damping_rule
 from .distributed import Reducer, resolve_reducer
 from .distributed.solve import BroadcastSolver, ShardedCGSolver, ShardedNormalEquations
 from .engine import EngineConfig, iterate
-from .jacobian import JacobianStrategy, ResidualProgram, make_jacobian
-from .linalg import LinearSolver, NormalEquations, make_solver
+from .jacobian import JacobianStrategy, ResidualProgram, linear_layers, make_jacobian
+from .linalg import LinearSolver, NormalEquations, gram_update, make_solver
 from .residuals import ModelResidual, mse
 
 __all__ = ["LevenbergMarquardt", "StepInfo"]
@@ -159,6 +159,7 @@ class _ModelProblem:
             per_sample=None if self.coupled_residual else self._per_sample,
             batch=self._batch,
             order=tuple(names),
+            layers=None if self.coupled_residual else linear_layers(model, names, params),
         )
         self.inputs: Any = None
         self.targets: Any = None
@@ -254,9 +255,7 @@ class _ModelProblem:
                     jacs.append(J)
                     res.append(r)
                 else:
-                    gdt = self.gram_dtype or J.dtype
-                    Jg = J.to(gdt)
-                    gram = Jg.T @ Jg if gram is None else gram.addmm_(Jg.T, Jg)
+                    gram = gram_update(gram, J, self.gram_dtype)
         if gram is not None:
             # diag(JᵀJ) comes free with the Gram.
             col_sq = gram.diagonal().to(x.dtype).clone()
@@ -695,11 +694,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             x = torch.cat([p.detach().reshape(-1) for p in prob.params])
         system = prob.linearize(x)
         t_lin = time.perf_counter()
-        finite = bool(torch.isfinite(system.loss_sum)) and all(
-            bool(torch.isfinite(t).all())
-            for t in (system.grad, system.col_sq, system.gram, system.jac)
-            if t is not None
-        )
+        finite, loss_sum, _ = system.scalars()
         base: dict[str, Any] = {
             "jacobian": prob.strategy.name,
             "solver": prob.solver.name,
@@ -711,7 +706,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                 max(self._damping.damping, self.config.damping_min), self.config.damping_max
             )
             self._steps += 1
-            loss = float(system.loss_sum) / max(system.count, 1)
+            loss = loss_sum / max(system.count, 1)
             return StepInfo(
                 loss=loss,
                 loss_before=loss,

@@ -946,23 +946,18 @@ def markdown(results: Sequence[ProblemResult], header: str) -> str:
             )
         lines.append("")
         for c in pr.comparisons():
-            speed = c["step_speedup_vs_tlm"]
-            tt = c["time_to_target_speedup"]
-            lines.append(
-                f"- {c['config']}: "
-                + (
-                    f"{speed:.2f}x less time per step than torch-levenberg-marquardt; "
-                    if speed is not None
-                    else "torch-levenberg-marquardt did not run; "
-                )
-                + (
-                    f"reaches the target {tt:.1f}x sooner than the fastest peer that reaches it."
-                    if tt is not None
-                    else "target not reached by this config."
-                    if c["time_to_target_s"] is None
-                    else "reaches the target; no peer does."
-                )
-            )
+            speed, tt = c["step_speedup_vs_tlm"], c["time_to_target_speedup"]
+            if speed is None:
+                per_step = "torch-levenberg-marquardt did not run"
+            else:
+                per_step = f"{speed:.2f}x less time per step than torch-levenberg-marquardt"
+            if c["time_to_target_s"] is None:
+                target = "target not reached by this config"
+            elif tt is None:
+                target = "reaches the target; no peer does"
+            else:
+                target = f"reaches the target {tt:.1f}x sooner than the fastest peer that does"
+            lines.append(f"- {c['config']}: {per_step}; {target}.")
         lines.append("")
         if pr.floor:
             lines.append(
@@ -984,7 +979,62 @@ def markdown(results: Sequence[ProblemResult], header: str) -> str:
                     f"{f['jacobian_over_forward_backward']:.1f} |"
                 )
             lines.append("")
+    lines += scaling_lines(results)
     return "\n".join(lines)
+
+
+def flop_scaling(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
+    """Problem 2's seconds per step against problem 1's scaled by the Gram's flops.
+
+    An LM step on a tall J (m x n) is dominated by ``JᵀJ``, ``m·n²`` multiply-adds, so
+    problem 1's median step times ``(m₂n₂²)/(m₁n₁²)`` is what problem 2 should take;
+    ``ratio`` above 1 means problem 2 is slower than that scaling predicts.
+    """
+    by_key = {pr.problem.key: pr for pr in results}
+    small, large = by_key.get("sinc"), by_key.get("sinc_large")
+    if small is None or large is None:
+        return []
+
+    def size(pr: ProblemResult) -> float:
+        return float(pr.problem.train[0].shape[0]) * pr.problem.num_parameters**2
+
+    factor = size(large) / size(small)
+    steps = {m.name: m.median_step for m in small.methods if m.step_seconds}
+    out = []
+    for m in large.methods:
+        if m.name in steps and m.step_seconds and m.name.startswith(("secondorder", "torch-lev")):
+            expected = steps[m.name] * factor
+            out.append(
+                {
+                    "method": m.name,
+                    "flops_factor": factor,
+                    "expected_s": expected,
+                    "measured_s": m.median_step,
+                    "ratio": m.median_step / expected,
+                }
+            )
+    return out
+
+
+def scaling_lines(results: Sequence[ProblemResult]) -> list[str]:
+    """The markdown of :func:`flop_scaling` (nothing unless both sinc problems ran)."""
+    rows = flop_scaling(results)
+    if not rows:
+        return []
+    lines = [
+        "## sinc_large against sinc, scaled by the Gram's flops",
+        "",
+        f"m·n² grows {rows[0]['flops_factor']:.1f}x from sinc to sinc_large.",
+        "",
+        "| method | sinc s/step x flops | sinc_large s/step | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {_fmt_s(r['expected_s'])} | {_fmt_s(r['measured_s'])} | "
+            f"{r['ratio']:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def plot(pr: ProblemResult, path: Path) -> bool:
@@ -1126,6 +1176,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "mode": "tiny" if args.tiny else "quick" if args.quick else "full",
             "machine": info,
             "problems": {pr.problem.key: pr.summary() for pr in results},
+            "flop_scaling": flop_scaling(results),
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(_finite_or_none(payload), indent=1, allow_nan=False)

@@ -950,13 +950,13 @@ def markdown(results: Sequence[ProblemResult], header: str) -> str:
             if speed is None:
                 per_step = "torch-levenberg-marquardt did not run"
             else:
-                per_step = f"{speed:.2f}x less time per step than torch-levenberg-marquardt"
+                per_step = f"torch-levenberg-marquardt's s/step over this config's: {speed:.2f}"
             if c["time_to_target_s"] is None:
                 target = "target not reached by this config"
             elif tt is None:
                 target = "reaches the target; no peer does"
             else:
-                target = f"reaches the target {tt:.1f}x sooner than the fastest peer that does"
+                target = f"fastest peer's time to target over this config's: {tt:.2f}"
             lines.append(f"- {c['config']}: {per_step}; {target}.")
         lines.append("")
         if pr.floor:

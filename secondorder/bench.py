@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
+from .linalg import gram_update
 from .lm import LevenbergMarquardt
 from .residuals import cross_entropy, mse
 
@@ -438,7 +439,42 @@ class ProblemResult:
             "adam_lr_choice": p.adam_note,
             "methods": [m.summary(p.target, p.kind) for m in self.methods],
             "floor": self.floor,
+            "comparisons": self.comparisons(),
         }
+
+    def comparisons(self) -> list[dict[str, Any]]:
+        """Each secondorder LM config against the peers, measured in this run.
+
+        ``step_speedup_vs_tlm``: torch-levenberg-marquardt's median seconds per step
+        over this config's.  ``time_to_target_speedup``: the fastest peer's time to
+        the target over this config's, among the peers that reached it (``None`` if
+        this config or no peer reached it; ``peers_reaching_target`` says which did).
+        """
+        p = self.problem
+        ran = [m for m in self.methods if m.status != "skipped" and m.step_seconds]
+        ours = [m for m in ran if m.name.startswith("secondorder")]
+        peers = [m for m in ran if not m.name.startswith("secondorder")]
+        tlm = next((m for m in peers if m.name.startswith("torch-levenberg")), None)
+        reached = {m.name: m.time_to(p.target, p.kind) for m in peers}
+        reached = {k: v for k, v in reached.items() if math.isfinite(v)}
+        best_peer = min(reached.values()) if reached else math.nan
+        out = []
+        for m in ours:
+            mine = m.time_to(p.target, p.kind)
+            out.append(
+                {
+                    "config": m.name,
+                    "step_speedup_vs_tlm": (tlm.median_step / m.median_step) if tlm else None,
+                    "time_to_target_s": mine if math.isfinite(mine) else None,
+                    "peers_reaching_target": sorted(reached),
+                    "time_to_target_speedup": (
+                        best_peer / mine
+                        if math.isfinite(mine) and math.isfinite(best_peer)
+                        else None
+                    ),
+                }
+            )
+        return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -740,10 +776,10 @@ def measure_floor(
         if prob.form == "dual":
             j = torch.cat(jacs).to(gdt)
             return j @ j.T
-        g = torch.zeros(n, n, dtype=gdt)
+        g: Tensor | None = None
         for j in jacs:
-            jg = j.to(gdt)
-            g.addmm_(jg.T, jg)
+            g = gram_update(g, j, gdt)  # what linearize does, conversion included
+        assert g is not None
         return g
 
     t_gram = _median_time(gram, reps)
@@ -909,6 +945,20 @@ def markdown(results: Sequence[ProblemResult], header: str) -> str:
                 f"{reached} | {r.losses[-1]:.3e} |{acc} {stage} | {status} |"
             )
         lines.append("")
+        for c in pr.comparisons():
+            speed, tt = c["step_speedup_vs_tlm"], c["time_to_target_speedup"]
+            if speed is None:
+                per_step = "torch-levenberg-marquardt did not run"
+            else:
+                per_step = f"torch-levenberg-marquardt's s/step over this config's: {speed:.2f}"
+            if c["time_to_target_s"] is None:
+                target = "target not reached by this config"
+            elif tt is None:
+                target = "reaches the target; no peer does"
+            else:
+                target = f"fastest peer's time to target over this config's: {tt:.2f}"
+            lines.append(f"- {c['config']}: {per_step}; {target}.")
+        lines.append("")
         if pr.floor:
             lines.append(
                 "| LM config | J shape | Jacobian | Gram (dtype) | factor+solve | trial | "
@@ -929,7 +979,62 @@ def markdown(results: Sequence[ProblemResult], header: str) -> str:
                     f"{f['jacobian_over_forward_backward']:.1f} |"
                 )
             lines.append("")
+    lines += scaling_lines(results)
     return "\n".join(lines)
+
+
+def flop_scaling(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
+    """Problem 2's seconds per step against problem 1's scaled by the Gram's flops.
+
+    An LM step on a tall J (m x n) is dominated by ``JᵀJ``, ``m·n²`` multiply-adds, so
+    problem 1's median step times ``(m₂n₂²)/(m₁n₁²)`` is what problem 2 should take;
+    ``ratio`` above 1 means problem 2 is slower than that scaling predicts.
+    """
+    by_key = {pr.problem.key: pr for pr in results}
+    small, large = by_key.get("sinc"), by_key.get("sinc_large")
+    if small is None or large is None:
+        return []
+
+    def size(pr: ProblemResult) -> float:
+        return float(pr.problem.train[0].shape[0]) * pr.problem.num_parameters**2
+
+    factor = size(large) / size(small)
+    steps = {m.name: m.median_step for m in small.methods if m.step_seconds}
+    out = []
+    for m in large.methods:
+        if m.name in steps and m.step_seconds and m.name.startswith(("secondorder", "torch-lev")):
+            expected = steps[m.name] * factor
+            out.append(
+                {
+                    "method": m.name,
+                    "flops_factor": factor,
+                    "expected_s": expected,
+                    "measured_s": m.median_step,
+                    "ratio": m.median_step / expected,
+                }
+            )
+    return out
+
+
+def scaling_lines(results: Sequence[ProblemResult]) -> list[str]:
+    """The markdown of :func:`flop_scaling` (nothing unless both sinc problems ran)."""
+    rows = flop_scaling(results)
+    if not rows:
+        return []
+    lines = [
+        "## sinc_large against sinc, scaled by the Gram's flops",
+        "",
+        f"m·n² grows {rows[0]['flops_factor']:.1f}x from sinc to sinc_large.",
+        "",
+        "| method | sinc s/step x flops | sinc_large s/step | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {_fmt_s(r['expected_s'])} | {_fmt_s(r['measured_s'])} | "
+            f"{r['ratio']:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def plot(pr: ProblemResult, path: Path) -> bool:
@@ -1071,6 +1176,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "mode": "tiny" if args.tiny else "quick" if args.quick else "full",
             "machine": info,
             "problems": {pr.problem.key: pr.summary() for pr in results},
+            "flop_scaling": flop_scaling(results),
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(_finite_or_none(payload), indent=1, allow_nan=False)

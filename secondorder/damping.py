@@ -127,11 +127,14 @@ class DampingMatrix:
         raise NotImplementedError
 
     def _floored(self, d: Tensor) -> Tensor:
-        top = d.max()
+        # Computed on the device (no host read): the floor max(top·floor, tiny) in
+        # float64, as Python would, then rounded to d's dtype; D = I when the largest
+        # column is zero or not finite.
+        top = d.max().to(torch.float64)
         tiny = torch.finfo(d.dtype).tiny ** 0.5
-        if not bool(torch.isfinite(top)) or float(top) <= 0.0:
-            return torch.ones_like(d)
-        return torch.clamp(d, min=max(float(top) * self.floor, tiny))
+        floor = torch.clamp(top * self.floor, min=tiny).to(d.dtype)
+        usable = torch.isfinite(top) & (top > 0.0)
+        return torch.where(usable, torch.maximum(d, floor), torch.ones_like(d))
 
 
 class IdentityMatrix(DampingMatrix):

@@ -89,18 +89,6 @@ class Outcome:
     cg_iterations: int
 
 
-def _gtol_cosine(system: NormalEquations) -> float:
-    """MINPACK's gtol measure: max |cos| between a column of J and r."""
-    rnorm = math.sqrt(max(float(system.loss_sum), 0.0))
-    if rnorm == 0.0:
-        return 0.0
-    colnorm = system.col_sq.sqrt()
-    nz = colnorm > 0
-    if not bool(nz.any()):
-        return 0.0
-    return float((system.grad[nz].abs() / (colnorm[nz] * rnorm)).max())
-
-
 def _convergence(
     config: EngineConfig,
     loss0: float,
@@ -123,13 +111,19 @@ def _convergence(
 
 
 def _solve(
-    fact: Factorization, damping: float, b: Tensor, w: Tensor | None, dtype: torch.dtype
+    fact: Factorization,
+    damping: float,
+    b: Tensor,
+    w: Tensor | None,
+    dtype: torch.dtype,
+    check: bool = True,
 ) -> Tensor | None:
+    """The solve, or None when it failed; ``check=False`` leaves finiteness to the caller."""
     try:
-        delta = fact.solve(damping, b, w)
+        delta = fact.solve(damping, b, w) if check else fact.solve_unchecked(damping, b, w)
     except torch.linalg.LinAlgError:
         return None
-    if delta is None or not bool(torch.isfinite(delta).all()):
+    if delta is None or (check and not bool(torch.isfinite(delta).all())):
         return None
     return delta.to(dtype)
 
@@ -160,8 +154,10 @@ def iterate(
     ``state`` (λ, ν, Moré scale) is updated in place.  ``x`` is never modified; the
     returned ``Outcome.x`` is a new tensor when a step was accepted.
     """
-    loss0 = float(system.loss_sum)
-    cos = _gtol_cosine(system)
+    # Host synchronisations: one here (loss and gtol test, shared with the caller's
+    # finiteness check), then per attempt one before the trial evaluation (did the
+    # solve succeed: a failed one must not be evaluated) and one after it (accept?).
+    _, loss0, cos = system.scalars()
     if cos <= config.gtol:
         return Outcome(
             x,
@@ -191,6 +187,7 @@ def iterate(
     r = system.residuals
     w = None if r is None else -r
     attempts_allowed = config.max_attempts if max_attempts is None else max_attempts
+    xnorm0 = torch.linalg.vector_norm(x)
     reason = "attempts exhausted without reducing the loss"
     rho = 0.0
     cg_iters = 0
@@ -198,7 +195,7 @@ def iterate(
     while attempt < attempts_allowed:
         attempt += 1
         lam = state.damping
-        v = _solve(fact, lam, -g, w, x.dtype)
+        v = _solve(fact, lam, -g, w, x.dtype, check=config.geodesic)
         cg_iters += fact.iterations
         if v is None:
             reason = f"linear solve failed at damping {lam:.3g}"
@@ -224,8 +221,23 @@ def iterate(
                         delta = v + 0.5 * a
             if ok:
                 delta = lr * delta
-                pred = float(-2.0 * torch.dot(g.to(delta.dtype), delta) - system.curvature(delta))
-                trial = problem.loss_sum(x + delta)
+                x_try = x + delta
+                pred_t = -2.0 * torch.dot(g.to(delta.dtype), delta) - system.curvature(delta)
+                wide = torch.float64
+                solved, pred, step_norm, xnorm_try, xnorm = torch.stack(
+                    [
+                        torch.isfinite(delta).all().to(wide),
+                        pred_t.to(wide),
+                        torch.linalg.vector_norm(delta).to(wide),
+                        torch.linalg.vector_norm(x_try).to(wide),
+                        xnorm0.to(wide),
+                    ]
+                ).tolist()
+                if not solved:
+                    reason = f"linear solve failed at damping {lam:.3g}"
+                    ok = False  # rejected below
+            if ok:
+                trial = problem.loss_sum(x_try)
                 loss1 = float(trial)
                 if not math.isfinite(loss1):
                     reason = "non-finite residuals at the trial point"
@@ -234,8 +246,7 @@ def iterate(
                     actual = loss0 - loss1
                     rho = actual / pred if pred > 0 else -math.inf
                     accepted = actual > 0 and rho > config.min_gain_ratio
-                    x_new = x + delta if accepted else x
-                    step_norm = float(torch.linalg.vector_norm(delta))
+                    x_new = x_try if accepted else x
                     status, why = _convergence(
                         config,
                         loss0,
@@ -243,7 +254,7 @@ def iterate(
                         pred,
                         rho,
                         step_norm,
-                        float(torch.linalg.vector_norm(x_new)),
+                        xnorm_try if accepted else xnorm,
                     )
                     if accepted:
                         rule.accept(state, rho)

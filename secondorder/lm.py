@@ -31,8 +31,8 @@ from .distributed import Reducer, resolve_reducer
 from .distributed.devices import DeviceGroup, replicate_module, resolve_devices, sync_replica
 from .distributed.solve import BroadcastSolver, ShardedCGSolver, ShardedNormalEquations
 from .engine import EngineConfig, iterate
-from .jacobian import JacobianStrategy, ResidualProgram, make_jacobian
-from .linalg import LinearSolver, NormalEquations, make_solver
+from .jacobian import JacobianStrategy, ResidualProgram, linear_layers, make_jacobian
+from .linalg import LinearSolver, NormalEquations, gram_update, make_solver
 from .planner import (
     USABLE_FRACTION,
     MemoryPlan,
@@ -175,10 +175,12 @@ class _Evaluator:
             for attr, p in module._parameters.items()
             if p is not None and id(p) in canonical
         ]
+        coupled = isinstance(residual_fn, ModelResidual)
         self.program = ResidualProgram(
-            per_sample=None if isinstance(residual_fn, ModelResidual) else self.per_sample,
+            per_sample=None if coupled else self.per_sample,
             batch=self.batch,
             order=tuple(names),
+            layers=None if coupled else linear_layers(model, names, [own[k] for k in names]),
         )
 
     def call(self, params: dict[str, Tensor], inputs: Any) -> Tensor:
@@ -319,10 +321,7 @@ class _ModelProblem:
                     if store:
                         part_col = (J * J).sum(0)
                     else:
-                        gdt = self.gram_dtype or J.dtype
-                        Jg = J.to(gdt)
-                        g = grams[k]
-                        grams[k] = Jg.T @ Jg if g is None else g.addmm_(Jg.T, Jg)
+                        grams[k] = gram_update(grams[k], J, self.gram_dtype)
                 # The vectors are added on the solver device in slice order, as one
                 # device would add them.
                 loss_sum += group.gather(part_loss)
@@ -919,11 +918,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             x = torch.cat([p.detach().reshape(-1) for p in prob.params]).to(prob.group.solver)
         system = prob.linearize(x)
         t_lin = time.perf_counter()
-        finite = bool(torch.isfinite(system.loss_sum)) and all(
-            bool(torch.isfinite(t).all())
-            for t in (system.grad, system.col_sq, system.gram, system.jac)
-            if t is not None
-        )
+        finite, loss_sum, _ = system.scalars()
         base: dict[str, Any] = {
             "jacobian": prob.strategy.name,
             "solver": prob.solver.name,
@@ -935,7 +930,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                 max(self._damping.damping, self.config.damping_min), self.config.damping_max
             )
             self._steps += 1
-            loss = float(system.loss_sum) / max(system.count, 1)
+            loss = loss_sum / max(system.count, 1)
             return StepInfo(
                 loss=loss,
                 loss_before=loss,

@@ -135,3 +135,51 @@ def test_bad_threads_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_unknown_problem_is_refused() -> None:
     with pytest.raises(ValueError, match=r"Unknown problems \['nope'\]; valid choices are"):
         bench.build_problems(tiny=True, keys=["nope"])
+
+
+def _result(name: str, step_s: float, curve: list[tuple[float, float]]) -> bench.MethodResult:
+    r = bench.MethodResult(name, "test")
+    r.step_seconds = [step_s, step_s]
+    for k, (t, loss) in enumerate(curve):
+        r.add(k, t, loss, None)
+    return r
+
+
+def test_comparisons_with_peers_are_computed_from_the_curves() -> None:
+    problems = bench.build_problems(tiny=True, keys=["sinc", "sinc_large"])
+    sinc, large = problems["sinc"], problems["sinc_large"]  # target: MSE <= 1e-6
+    ours = _result("secondorder LM (defaults)", 0.1, [(0.0, 1.0), (1.0, 1e-7)])
+    never = _result("secondorder LM (fastest)", 0.2, [(0.0, 1.0), (3.0, 1e-3)])
+    tlm = _result("torch-levenberg-marquardt 1.2.3", 0.3, [(0.0, 1.0), (20.0, 5e-7)])
+    adam = _result("torch.optim.Adam (lr 0.01)", 0.01, [(0.0, 1.0), (5.0, 1e-6)])
+    pr = bench.ProblemResult(sinc, [ours, never, tlm, adam], [])
+    first, second = pr.comparisons()
+    assert first["step_speedup_vs_tlm"] == pytest.approx(3.0)
+    assert first["time_to_target_speedup"] == pytest.approx(5.0)  # Adam at 5 s, ours at 1 s
+    assert first["peers_reaching_target"] == sorted([adam.name, tlm.name])
+    assert second["step_speedup_vs_tlm"] == pytest.approx(1.5)
+    assert second["time_to_target_s"] is None and second["time_to_target_speedup"] is None
+    report = bench.markdown([pr], "# t")
+    assert "torch-levenberg-marquardt's s/step over this config's: 3.00" in report
+    assert "fastest peer's time to target over this config's: 5.00" in report
+
+    big = _result("secondorder LM (defaults)", 4.0, [(0.0, 1.0)])
+    rows = bench.flop_scaling([pr, bench.ProblemResult(large, [big], [])])
+    m1, n1 = sinc.train[0].shape[0], sinc.num_parameters
+    m2, n2 = large.train[0].shape[0], large.num_parameters
+    factor = (m2 * n2**2) / (m1 * n1**2)
+    (row,) = rows
+    assert row["flops_factor"] == pytest.approx(factor)
+    assert row["ratio"] == pytest.approx(4.0 / (0.1 * factor))
+    assert bench.flop_scaling([pr]) == []
+
+
+def test_json_holds_comparisons(tiny_run: dict[str, object]) -> None:
+    data = tiny_run["json"]
+    assert isinstance(data, dict)
+    for problem in data["problems"].values():
+        configs = [c["config"] for c in problem["comparisons"]]
+        assert configs == ["secondorder LM (defaults)"]
+        # torch-levenberg-marquardt did not run in this fixture.
+        assert problem["comparisons"][0]["step_speedup_vs_tlm"] is None
+    assert data["flop_scaling"] == []

@@ -643,3 +643,116 @@ def test_model_residual_step_matches_reference():
     info = opt.step(x, f)
     assert info.jacobian.startswith("batch")
     check_accepted_step(info, model, lam, lambda lam: damped_gauss_newton(res, x0, lam))
+
+
+# -- the outer-product rule of per-sample reverse mode for nn.Linear models ---------------------
+
+
+class _Tied(nn.Module):
+    """Two calls of one Linear and a second Linear sharing its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3, bias=False)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(self.a(x))))))
+
+
+class _WeightOutside(nn.Module):
+    """Uses a Linear's weight outside the layer's forward: the rule would miss a term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) + x[:, :2] * self.lin.weight[:, 0]
+
+
+class _MyLinear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(2.0 * x)
+
+
+def _frozen_first_layer() -> nn.Module:
+    model = mlp(3, 2)
+    model[0].weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "expect_rule"),
+    [
+        (lambda: mlp(3, 1), (7, 3), True),
+        (lambda: mlp(3, 4), (7, 3), True),  # k = 4 residuals per sample
+        (lambda: mlp(3, 2), (7, 5, 3), True),  # a sequence dimension between batch and features
+        (lambda: _Tied().to(DT), (7, 3), True),  # a layer called twice, a tied weight
+        (_frozen_first_layer, (7, 3), True),
+        (lambda: _WeightOutside().to(DT), (7, 3), False),
+        (lambda: nn.Sequential(_MyLinear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT), (7, 3), None),
+    ],
+)
+def test_reverse_outer_product_rule_matches_jacrev(make, shape, expect_rule):
+    torch.manual_seed(4)
+    model = make()
+    x = torch.randn(*shape, dtype=DT)
+    with torch.no_grad():
+        out_shape = model(x).shape
+    y = torch.randn(out_shape, dtype=DT)
+    prob = make_problem(model, so.residuals.mse)
+    names, _ = named_trainable(model)
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    J, r = make_jacobian("reverse")(prob.program, params, x, y)
+
+    def f(flat: Tensor) -> Tensor:
+        full = {k: p.detach() for k, p in model.named_parameters()}
+        start = 0
+        for k in names:
+            full[k] = flat[start : start + full[k].numel()].view(full[k].shape)
+            start += full[k].numel()
+        return so.residuals.mse(functional_call(model, full, (x,)), y).reshape(-1)
+
+    x0 = torch.cat([params[k].reshape(-1) for k in names])
+    torch.testing.assert_close(r, f(x0), rtol=0, atol=1e-13)
+    torch.testing.assert_close(J, jacrev(f)(x0), rtol=0, atol=1e-12)
+    assert float(J.abs().max()) > 1e-2
+    if expect_rule is None:
+        # A subclass of nn.Linear may change its forward: vmap, never the rule.
+        assert prob.program.layers is None
+    else:
+        assert prob.program.layers is not None
+        assert list(prob.program.verified.values()) == [expect_rule]
+
+
+def test_outer_product_rule_is_checked_once_per_input_signature():
+    model = mlp(3, 2)
+    prob = make_problem(model, so.residuals.mse)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    strategy = make_jacobian("reverse")
+    for batch in (5, 9, 2):
+        x, y = torch.randn(batch, 3, dtype=DT), torch.randn(batch, 2, dtype=DT)
+        strategy(prob.program, params, x, y)
+    assert len(prob.program.verified) == 1
+    x3, y3 = torch.randn(4, 6, 3, dtype=DT), torch.randn(4, 6, 2, dtype=DT)
+    strategy(prob.program, params, x3, y3)
+    assert len(prob.program.verified) == 2 and all(prob.program.verified.values())
+
+
+def test_linear_layers_declines_models_with_other_parameterised_modules():
+    from secondorder.jacobian import linear_layers
+
+    conv = conv_model(2)
+    names, params = named_trainable(conv)
+    assert linear_layers(conv, names, params) is None
+    net = mlp(3, 2)
+    names, params = named_trainable(net)
+    layers = linear_layers(net, names, params)
+    assert layers is not None
+    assert [(layer.weight, layer.bias) for layer in layers] == [
+        ("0.weight", "0.bias"),
+        ("2.weight", "2.bias"),
+    ]

@@ -1,0 +1,147 @@
+"""Host synchronisations per LM step, counted on CPU.
+
+Every read of a device value on the host (``.item()``, ``float(t)``, ``bool(t)``,
+``.tolist()``, ``nonzero``, boolean-mask indexing, ...) stalls a GPU until its queue
+drains.  A :class:`~torch.overrides.TorchFunctionMode` sees each such call, on CPU
+too, so the count is tested here without a GPU.  The algorithm needs, per step, one
+read of the loss and gtol measure (shared with the finiteness check) and, per
+attempt, one before the trial evaluation (did the solve succeed?) and one after it
+(accept or reject?).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+import secondorder as so
+
+SYNCS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__complex__",
+    "__repr__",
+    "__format__",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "equal",
+    "allclose",
+    "numpy",
+    "cpu",
+}
+
+
+def _bool_index(args: tuple[Any, ...]) -> bool:
+    """``t[mask]`` with a boolean tensor: its result's size is read on the host."""
+    if len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return any(isinstance(i, Tensor) and i.dtype == torch.bool and i.ndim > 0 for i in index)
+
+
+class SyncCounter(TorchFunctionMode):
+    """Record every call that makes the host wait for a tensor's value, with its site."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[str] = []
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in SYNCS or (name == "__getitem__" and _bool_index(args)):
+            frames = [f for f in traceback.extract_stack()[:-1] if "secondorder" in f.filename]
+            where = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno}" if frames else "?"
+            self.sites.append(f"{name} at {where}")
+        return func(*args, **(kwargs or {}))
+
+
+def _sinc(points: int = 256) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.linspace(-1, 1, points).unsqueeze(1)
+    return model, x, torch.sinc(10 * x)
+
+
+def _count(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+    with SyncCounter() as counter:
+        out = fn()
+    return out, counter.sites
+
+
+def test_counter_sees_each_kind_of_sync() -> None:
+    t = torch.tensor([0.5, 2.0])
+    actions: list[Callable[[], object]] = [
+        lambda: float(t[0]),
+        lambda: int(t[1]),
+        lambda: bool(t[0] > 0),
+        lambda: t.sum().item(),
+        lambda: t.tolist(),
+        lambda: torch.nonzero(t),
+        lambda: t[t > 1],
+        lambda: f"{t[0]:.3f}",
+    ]
+    for action in actions:
+        _, sites = _count(action)
+        assert len(sites) == 1, sites
+    # ... and tensor work that stays on the device is not counted.
+    _, sites = _count(lambda: torch.where(t > 1, t, 0.0).sum() * 2)
+    assert sites == []
+
+
+@pytest.mark.parametrize("gram_dtype", [torch.float64, torch.float32])
+def test_lm_step_syncs_only_for_its_decisions(gram_dtype: torch.dtype) -> None:
+    model, x, y = _sinc()
+    opt = so.LevenbergMarquardt(model, gram_dtype=gram_dtype)
+    opt.step(x, y)  # the first step on a new input signature checks and caches choices
+    for _ in range(3):
+        info, sites = _count(lambda: opt.step(x, y))
+        assert info.accepted, info.reason
+        assert len(sites) == 1 + 2 * info.attempts, sites
+
+
+def test_rejected_attempts_each_cost_two_syncs() -> None:
+    model, x, y = _sinc()
+    opt = so.LevenbergMarquardt(model, damping=1e-9, damping_rule="multiplicative")
+    opt.step(x, y)
+    attempts = []
+    for _ in range(6):
+        info, sites = _count(lambda: opt.step(x, y))
+        assert len(sites) == 1 + 2 * info.attempts, sites
+        attempts.append(info.attempts)
+    # Steps from a tiny λ overshoot: some steps needed more than one attempt.
+    assert max(attempts) > 1, attempts
+
+
+def test_a_deliberate_sync_in_the_step_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x, y = _sinc()
+    opt = so.LevenbergMarquardt(model)
+    opt.step(x, y)
+    info, base = _count(lambda: opt.step(x, y))
+    assert len(base) == 1 + 2 * info.attempts
+    problem = opt._problem
+    loss_sum = problem.loss_sum
+
+    def eager_loss_sum(z: Tensor) -> Tensor:
+        total = loss_sum(z)
+        if not float(total) >= 0.0:  # a needless host read in every trial evaluation
+            raise AssertionError("negative sum of squares")
+        return total
+
+    monkeypatch.setattr(problem, "loss_sum", eager_loss_sum)
+    info, sites = _count(lambda: opt.step(x, y))
+    assert len(sites) == 1 + 3 * info.attempts, sites

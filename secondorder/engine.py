@@ -134,6 +134,23 @@ def _solve(
     return delta.to(dtype)
 
 
+def _predicted_reduction(system: NormalEquations, g: Tensor, delta: Tensor) -> float:
+    """``-2gᵀδ - ‖Jδ‖²``, the reduction of ``Σr²`` the linear model predicts, in float64.
+
+    With residuals near 1e19 a float32 ``gᵀδ`` or ``‖Jδ‖²`` overflows although every
+    factor is finite.  ``gᵀδ`` is summed in float64; ``‖Jδ‖²`` is evaluated along
+    ``δ/s``, with ``s`` the largest power of two not above ``max|δ|`` (an exact
+    scaling), and multiplied by ``s²`` in float64: the same number whenever the
+    unscaled product would not have overflowed.
+    """
+    linear = float(torch.dot(g.to(torch.float64), delta.to(torch.float64)))
+    top = float(delta.abs().max()) if delta.numel() else 0.0
+    if top == 0.0 or not math.isfinite(top):
+        return -2.0 * linear - float(system.curvature(delta))
+    scale = 2.0 ** (math.frexp(top)[1] - 1)
+    return -2.0 * linear - float(system.curvature(delta / scale)) * scale * scale
+
+
 def _reject(rule: DampingRule, state: DampingState, config: EngineConfig) -> None:
     """Raise λ after a failed attempt, restarting from ``damping_restart`` at zero."""
     rule.reject(state)
@@ -176,7 +193,8 @@ def iterate(
             0.0,
             0,
         )
-    d = matrix.diagonal(system.col_sq if system.scale_sq is None else system.scale_sq, state)
+    col = system.col_sq if system.scale_sq is None else system.scale_sq
+    d = matrix.diagonal(col, state, config.damping_min)
     try:
         fact = solver.factor(system, d)
     except torch.linalg.LinAlgError as exc:
@@ -224,7 +242,7 @@ def iterate(
                         delta = v + 0.5 * a
             if ok:
                 delta = lr * delta
-                pred = float(-2.0 * torch.dot(g.to(delta.dtype), delta) - system.curvature(delta))
+                pred = _predicted_reduction(system, g, delta)
                 trial = problem.loss_sum(x + delta)
                 loss1 = float(trial)
                 if not math.isfinite(loss1):
@@ -235,7 +253,7 @@ def iterate(
                     rho = actual / pred if pred > 0 else -math.inf
                     accepted = actual > 0 and rho > config.min_gain_ratio
                     x_new = x + delta if accepted else x
-                    step_norm = float(torch.linalg.vector_norm(delta))
+                    step_norm = float(torch.linalg.vector_norm(delta, dtype=torch.float64))
                     status, why = _convergence(
                         config,
                         loss0,
@@ -243,7 +261,7 @@ def iterate(
                         pred,
                         rho,
                         step_norm,
-                        float(torch.linalg.vector_norm(x_new)),
+                        float(torch.linalg.vector_norm(x_new, dtype=torch.float64)),
                     )
                     if accepted:
                         rule.accept(state, rho)

@@ -311,6 +311,9 @@ def test_soak_digits_with_faults_memory_and_resume(tmp_path):
     resumed[0].load_state_dict(ckpt["model"])
     resumed[2].load_state_dict(ckpt["optimizer"])
     replay = run_steps(resumed, (Xtr, Ptr), batches, range(half, STEPS))
-    assert replay == records[half:]
+    # Records hold the NaN loss of rejected steps, and NaN != NaN: compare their reprs,
+    # which round-trip every float exactly.
+    assert len(replay) == STEPS - half
+    assert repr(replay) == repr(records[half:])
     for p, q in zip(resumed[0].parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -128,6 +128,29 @@ def _solve(
     return delta.to(dtype)
 
 
+def _predicted_reduction(system: NormalEquations, g: Tensor, delta: Tensor) -> Tensor:
+    """``-2gᵀδ - ‖Jδ‖²``, the reduction of ``Σr²`` the linear model predicts, in float64.
+
+    With residuals near 1e19 a float32 ``gᵀδ`` or ``‖Jδ‖²`` overflows although every
+    factor is finite.  ``gᵀδ`` is summed in float64; ``‖Jδ‖²`` is evaluated along
+    ``δ/s``, with ``s`` the largest power of two not above ``max|δ|`` (an exact
+    scaling), and multiplied by ``s²`` in float64: the same number whenever the
+    unscaled product would not have overflowed.  Everything stays on the device, so
+    the caller reads it back with its other scalars in one transfer.
+    """
+    wide = torch.float64
+    linear = torch.dot(g.to(wide), delta.to(wide))
+    if delta.numel() == 0:
+        return -2.0 * linear
+    top = delta.abs().max()
+    scalable = torch.isfinite(top) & (top > 0)
+    exponent = torch.frexp(torch.where(scalable, top, torch.ones_like(top)))[1]
+    scale = torch.ldexp(torch.ones_like(top), exponent - 1)
+    curvature = system.curvature(delta / scale).to(wide)
+    scale64 = scale.to(wide)
+    return -2.0 * linear - curvature * scale64 * scale64
+
+
 def _reject(rule: DampingRule, state: DampingState, config: EngineConfig) -> None:
     """Raise λ after a failed attempt, restarting from ``damping_restart`` at zero."""
     rule.reject(state)
@@ -172,7 +195,8 @@ def iterate(
             0.0,
             0,
         )
-    d = matrix.diagonal(system.col_sq if system.scale_sq is None else system.scale_sq, state)
+    col = system.col_sq if system.scale_sq is None else system.scale_sq
+    d = matrix.diagonal(col, state, config.damping_min)
     try:
         fact = solver.factor(system, d)
     except torch.linalg.LinAlgError as exc:
@@ -187,7 +211,7 @@ def iterate(
     r = system.residuals
     w = None if r is None else -r
     attempts_allowed = config.max_attempts if max_attempts is None else max_attempts
-    xnorm0 = torch.linalg.vector_norm(x)
+    xnorm0 = torch.linalg.vector_norm(x, dtype=torch.float64)
     reason = "attempts exhausted without reducing the loss"
     rho = 0.0
     cg_iters = 0
@@ -222,14 +246,13 @@ def iterate(
             if ok:
                 delta = lr * delta
                 x_try = x + delta
-                pred_t = -2.0 * torch.dot(g.to(delta.dtype), delta) - system.curvature(delta)
                 wide = torch.float64
                 solved, pred, step_norm, xnorm_try, xnorm = torch.stack(
                     [
                         torch.isfinite(delta).all().to(wide),
-                        pred_t.to(wide),
-                        torch.linalg.vector_norm(delta).to(wide),
-                        torch.linalg.vector_norm(x_try).to(wide),
+                        _predicted_reduction(system, g, delta),
+                        torch.linalg.vector_norm(delta, dtype=wide),
+                        torch.linalg.vector_norm(x_try, dtype=wide),
                         xnorm0.to(wide),
                     ]
                 ).tolist()

@@ -680,6 +680,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                     )
                 if leaf.device != p0.device and not self._any_device:
                     raise ValueError(f"inputs are on {leaf.device} but the model is on {p0.device}")
+        for leaf in tree_flatten(targets)[0]:
+            if isinstance(leaf, Tensor) and leaf.device != p0.device:
+                raise ValueError(f"targets are on {leaf.device} but the model is on {p0.device}")
         probe = batch if self._problem.coupled_residual else min(batch, 2)
         sub_in = _slice(inputs, 0, probe)
         sub_t = None if targets is None else _slice(targets, 0, probe)
@@ -701,6 +704,14 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             raise TypeError(f"residual_fn must return a tensor, got {type(out).__name__}")
         if not out.is_floating_point():
             raise TypeError(f"residual_fn must return a floating tensor, got dtype {out.dtype}")
+        if out.dtype != p0.dtype:
+            # Refused rather than cast: a cast would hide a float32 residual's rounding from
+            # a float64 model, and J, Jᵀr and the model's parameters share one dtype.
+            raise TypeError(
+                f"residual_fn returned residuals of dtype {out.dtype} but the model's "
+                f"parameters are {p0.dtype}; return them in the model's dtype "
+                f"(e.g. end residual_fn with .to({p0.dtype}))"
+            )
         if self._problem.coupled_residual:
             if out.numel() == 0:
                 raise ValueError("residual_fn returned no residuals")

@@ -38,9 +38,35 @@ __all__ = [
 ResidualFn = Callable[[Tensor, Tensor], Tensor]
 
 
+def _matching_targets(name: str, outputs: Tensor, targets: Tensor | None) -> Tensor:
+    """``targets`` reshaped to ``outputs.shape`` and cast to its dtype, after checking them.
+
+    Targets match when they hold the same number of values per sample as the outputs
+    (``(batch,)`` targets for ``(batch, 1)`` outputs are fine); anything else would
+    be silently broadcast or fail deep inside torch, so it is refused here.
+    """
+    if targets is None:
+        raise TypeError(
+            f"{name}: targets is None; pass the targets to step(inputs, targets) or use a "
+            "residual_fn that needs none"
+        )
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"{name}: targets must be a tensor, got {type(targets).__name__}")
+    batch = outputs.shape[0] if outputs.ndim else 1
+    t_batch = targets.shape[0] if targets.ndim else 1
+    if t_batch != batch or targets.numel() != outputs.numel():
+        raise ValueError(
+            f"{name}: targets of shape {tuple(targets.shape)} do not match the model outputs "
+            f"of shape {tuple(outputs.shape)}: each sample needs "
+            f"{outputs.numel() // max(batch, 1)} target value(s), got "
+            f"{targets.numel() // max(t_batch, 1)}"
+        )
+    return targets.reshape(outputs.shape).to(outputs.dtype)
+
+
 def mse(outputs: Tensor, targets: Tensor) -> Tensor:
     """Plain residuals ``r = outputs - targets``; ``mean(r²)`` is the mean squared error."""
-    return outputs - targets.reshape(outputs.shape).to(outputs.dtype)
+    return outputs - _matching_targets("mse", outputs, targets)
 
 
 def l1(outputs: Tensor, targets: Tensor, eps: float = 1e-6) -> Tensor:
@@ -50,7 +76,7 @@ def l1(outputs: Tensor, targets: Tensor, eps: float = 1e-6) -> Tensor:
     ``r² = sqrt(e² + eps²) - eps ≈ |e|``.  The smoothing keeps ``r`` differentiable at
     ``e = 0`` (slope ``1/sqrt(2·eps)`` there) where the raw ``sqrt(|e|)`` is not.
     """
-    e = outputs - targets.reshape(outputs.shape).to(outputs.dtype)
+    e = outputs - _matching_targets("l1", outputs, targets)
     # sqrt(e² + eps²) - eps == e² / (sqrt(e² + eps²) + eps); dividing ``e`` by the root
     # of the denominator gives the same residual without a square root of zero, so
     # autograd's derivative is finite (and equal to the slope above) at ``e = 0``.
@@ -65,7 +91,7 @@ def huber(outputs: Tensor, targets: Tensor, delta: float = 1.0) -> Tensor:
     so outliers pull linearly rather than quadratically.  ``r`` is continuous with a
     continuous first derivative at ``|e| = delta``.
     """
-    e = outputs - targets.reshape(outputs.shape).to(outputs.dtype)
+    e = outputs - _matching_targets("huber", outputs, targets)
     a = e.abs()
     inside = a <= delta
     # Evaluate the outer branch only where it is used: elsewhere feed it ``delta`` so the
@@ -83,6 +109,36 @@ def cross_entropy(logits: Tensor, targets: Tensor, eps: float = 1e-12) -> Tensor
     shape ``(batch, ...)`` or class probabilities of the logits' shape.  The residual of
     a sample is ``sqrt(CE + eps)``, so ``mean(r²)`` is the mean cross-entropy.
     """
+    if targets is None or not isinstance(targets, Tensor):
+        raise TypeError(
+            "cross_entropy: targets must be a tensor of class indices or probabilities, got "
+            f"{type(targets).__name__}"
+        )
+    if logits.ndim < 2:
+        raise ValueError(
+            f"cross_entropy: logits must have shape (batch, classes, ...), got "
+            f"{tuple(logits.shape)}"
+        )
+    indices_shape = logits.shape[:1] + logits.shape[2:]
+    if targets.is_floating_point():
+        if targets.shape != logits.shape:
+            raise ValueError(
+                f"cross_entropy: probability targets of shape {tuple(targets.shape)} must have "
+                f"the logits' shape {tuple(logits.shape)}"
+            )
+        targets = targets.to(logits.dtype)
+    elif targets.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        if targets.shape != indices_shape:
+            raise ValueError(
+                f"cross_entropy: class-index targets of shape {tuple(targets.shape)} must have "
+                f"shape {tuple(indices_shape)} for logits of shape {tuple(logits.shape)}"
+            )
+        targets = targets.long()
+    else:
+        raise TypeError(
+            f"cross_entropy: targets must hold class indices (integers) or probabilities "
+            f"(floating point), got dtype {targets.dtype}"
+        )
     ce = F.cross_entropy(logits, targets, reduction="none")
     return torch.sqrt(ce + eps)
 
@@ -93,7 +149,7 @@ def binary_cross_entropy(logits: Tensor, targets: Tensor, eps: float = 1e-12) ->
     ``r = sqrt(BCE(logits, targets) + eps)``; ``mean(r²)`` is the mean binary
     cross-entropy.  ``targets`` are probabilities in ``[0, 1]``.
     """
-    t = targets.reshape(logits.shape).to(logits.dtype)
+    t = _matching_targets("binary_cross_entropy", logits, targets)
     bce = F.binary_cross_entropy_with_logits(logits, t, reduction="none")
     return torch.sqrt(bce + eps)
 

@@ -472,57 +472,122 @@ def _linear_lm(dtype: torch.dtype = F64) -> tuple[Any, nn.Module, Tensor, Tensor
     return so.LevenbergMarquardt, model, x, y
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: LevenbergMarquardt._validate checks that residual_fn returns a "
-    "floating tensor but not that its dtype is the model's; a float32 residual for a float64 "
-    "model (or float64 for float32) passes validation and then fails in _ModelProblem."
-    "linearize at `grad += J.T @ r` with torch's raw 'addmv input tensors must have the same "
-    "dtype, but got Float, Double, and Float'. Cast r to the parameters' dtype (or refuse it "
-    "in _validate with a TypeError naming residual_fn and both dtypes).",
-)
+def _params(model: nn.Module) -> list[Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(model: nn.Module, before: list[Tensor]) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 @pytest.mark.parametrize(
     ("model_dtype", "residual_dtype"), [(F64, torch.float32), (torch.float32, F64)]
 )
 def test_residual_dtype_other_than_the_models(model_dtype, residual_dtype):
+    """Refused before anything changes, naming residual_fn and both dtypes; the same
+    residual cast back to the model's dtype trains like mse."""
     cls, model, x, y = _linear_lm(model_dtype)
+    before = _params(model)
     opt = cls(model, lambda o, t: (o - t).to(residual_dtype))
-    try:
-        info = opt.step(x, y)
-    except TypeError as exc:
-        assert "residual_fn" in str(exc)
-        return
-    assert info.accepted
+    pattern = rf"residual_fn returned residuals of dtype {residual_dtype}.*{model_dtype}"
+    with pytest.raises(TypeError, match=pattern):
+        opt.step(x, y)
+    assert _unchanged(model, before) and opt.state_dict()["steps"] == 0
+    ref = copy.deepcopy(model)
+    info = cls(model, lambda o, t: (o.to(residual_dtype) - t).to(model_dtype)).step(x, y)
+    ref_info = cls(ref).step(x, y)
+    assert info.accepted and ref_info.accepted
+    tol = 1e-5 if torch.float32 in (model_dtype, residual_dtype) else 1e-12
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: residuals.mse does not check its targets: step(inputs) with the "
-    "default residual_fn and no targets raises AttributeError \"'NoneType' object has no "
-    "attribute 'reshape'\" (residuals.py, mse), and targets whose per-sample shape differs "
-    "from the outputs' (outputs (B, 1), targets (B, 2)) raise torch's raw RuntimeError "
-    "\"shape '[2, 1]' is invalid for input of size 4\" (2 being the validation probe's "
-    "batch). Raise a ValueError/TypeError naming targets and both shapes.",
-)
-@pytest.mark.parametrize("targets", ["missing", "wrong-width"])
+@pytest.mark.parametrize("targets", ["missing", "wrong-width", "wrong-batch-layout"])
 def test_mse_with_missing_or_misshapen_targets_names_targets(targets):
     cls, model, x, y = _linear_lm()
-    bad = None if targets == "missing" else torch.cat([y, y], 1)
-    with pytest.raises((ValueError, TypeError), match="targets"):
+    bad = {
+        "missing": None,
+        "wrong-width": torch.cat([y, y], 1),
+        "wrong-batch-layout": y.reshape(1, -1).expand(10, 10),
+    }[targets]
+    before = _params(model)
+    pattern = {
+        "missing": r"mse: targets is None",
+        # The probe evaluates the first two samples: (2, 2) targets for (2, 1) outputs.
+        "wrong-width": r"mse: targets of shape \(2, 2\) do not match the model outputs of "
+        r"shape \(2, 1\): each sample needs 1 target value\(s\), got 2",
+        "wrong-batch-layout": r"mse: targets of shape \(2, 10\) do not match .*\(2, 1\)",
+    }[targets]
+    exc_type = TypeError if targets == "missing" else ValueError
+    with pytest.raises(exc_type, match=pattern):
         cls(model).step(x, bad)
+    assert _unchanged(model, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: LevenbergMarquardt._validate checks the device of inputs ('inputs "
-    "are on meta but the model is on cpu') but not of targets; targets on another device "
-    "reach the residual function and raise torch's raw 'Tensor on device meta is not on the "
-    "expected device cpu!'. Check targets' devices the same way.",
-)
+def test_mse_accepts_targets_with_the_outputs_values_in_another_layout():
+    """``(batch,)`` targets for ``(batch, 1)`` outputs hold the same values: the step is
+    bitwise the one with ``(batch, 1)`` targets."""
+    cls, model, x, y = _linear_lm()
+    ref = copy.deepcopy(model)
+    cls(model).step(x, y[:, 0])
+    cls(ref).step(x, y)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+ADAPTERS = {
+    "l1": so.residuals.l1,
+    "huber": so.residuals.huber,
+    "binary_cross_entropy": so.residuals.binary_cross_entropy,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_elementwise_adapters_check_their_targets(name):
+    fn = ADAPTERS[name]
+    out = torch.zeros(4, 3, dtype=F64)
+    with pytest.raises(TypeError, match=rf"{name}: targets is None"):
+        fn(out, None)
+    with pytest.raises(TypeError, match=rf"{name}: targets must be a tensor, got list"):
+        fn(out, [[0.0] * 3] * 4)
+    with pytest.raises(ValueError, match=rf"{name}: targets of shape \(4, 2\) do not match"):
+        fn(out, torch.zeros(4, 2, dtype=F64))
+    with pytest.raises(ValueError, match=rf"{name}: targets of shape \(3, 4\) do not match"):
+        fn(out, torch.zeros(3, 4, dtype=F64))
+    # Same values per sample in another layout, and another dtype: accepted, cast.
+    t = torch.rand(4, 3, dtype=F64)
+    torch.testing.assert_close(fn(out, t.reshape(4, 3, 1).float()), fn(out, t.float().double()))
+
+
+def test_cross_entropy_checks_its_targets():
+    ce = so.residuals.cross_entropy
+    logits = torch.randn(4, 3, generator=_rng(0), dtype=F64)
+    with pytest.raises(TypeError, match=r"cross_entropy: targets must be a tensor .* NoneType"):
+        ce(logits, None)
+    with pytest.raises(ValueError, match=r"class-index targets of shape \(4, 1\) must have "):
+        ce(logits, torch.zeros(4, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"probability targets of shape \(4, 2\) must have"):
+        ce(logits, torch.zeros(4, 2, dtype=F64))
+    with pytest.raises(TypeError, match=r"got dtype torch\.bool"):
+        ce(logits, torch.zeros(4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"logits must have shape \(batch, classes, ...\)"):
+        ce(logits[:, 0], torch.zeros(4, dtype=torch.int64))
+    labels = torch.tensor([0, 2, 1, 2])
+    expected = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    torch.testing.assert_close(ce(logits, labels.int()) ** 2, expected + 1e-12)
+    probs = torch.nn.functional.one_hot(labels, 3).float()
+    torch.testing.assert_close(ce(logits, probs) ** 2, expected + 1e-12)
+
+
 def test_targets_on_another_device_are_refused_naming_targets():
     cls, model, x, y = _linear_lm()
-    with pytest.raises(ValueError, match="targets are on meta"):
+    before = _params(model)
+    with pytest.raises(ValueError, match="targets are on meta but the model is on cpu"):
         cls(model).step(x, y.to("meta"))
+    with pytest.raises(ValueError, match="targets are on meta but the model is on cpu"):
+        cls(model, so.residuals.ModelResidual(lambda f, i, t: f(i) - t["y"])).step(
+            x, {"y": y.to("meta")}
+        )
+    assert _unchanged(model, before)
 
 
 def test_min_gain_ratio_of_the_wrong_type_names_the_option():

@@ -251,7 +251,11 @@ def test_soak_digits_with_faults_memory_and_resume(tmp_path):
             tracemalloc.start()
         if step == TRACE_TO - 1:
             # What was allocated since TRACE_FROM and is still alive, outside this file
-            # (whose record list grows by design).
+            # (whose record list grows by design).  Cyclic garbage that the collector has
+            # not reached yet is not alive: without this collection the window counted
+            # ~440 KiB of it (jacrev's pytree containers), ~80 KiB after it, a level that
+            # grows ever slower (Python's free lists) rather than with the step count.
+            gc.collect()
             snap = tracemalloc.take_snapshot().filter_traces(
                 [
                     tracemalloc.Filter(False, __file__),
@@ -307,6 +311,9 @@ def test_soak_digits_with_faults_memory_and_resume(tmp_path):
     resumed[0].load_state_dict(ckpt["model"])
     resumed[2].load_state_dict(ckpt["optimizer"])
     replay = run_steps(resumed, (Xtr, Ptr), batches, range(half, STEPS))
-    assert replay == records[half:]
+    # Records hold the NaN loss of rejected steps, and NaN != NaN: compare their reprs,
+    # which round-trip every float exactly.
+    assert len(replay) == STEPS - half
+    assert repr(replay) == repr(records[half:])
     for p, q in zip(resumed[0].parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -108,6 +108,7 @@ def step_traffic(
     cg_iterations: int = 0,
     itemsize: int = 8,
     gram_itemsize: int = 8,
+    plan_candidates: int = 1,
 ) -> Traffic:
     """The collectives of one :meth:`~secondorder.LevenbergMarquardt.step` on one rank.
 
@@ -122,9 +123,11 @@ def step_traffic(
         cg_iterations: CG iterations of the whole step (``StepInfo.cg_iterations``).
         itemsize: bytes per number of the parameters' dtype.
         gram_itemsize: bytes per number of ``gram_dtype`` (primal form).
+        plan_candidates: (solver, form) pairs the memory planner weighs; one for a
+            fixed solver and form, up to three under ``solver="auto"``.
 
     Per step, whatever the form: the batch check (``world + 1`` float64), the
-    reduced loss, residual count, ``Jᵀr`` and ``diag(JᵀJ)`` (one call), and the
+    memory plan's agreement on which candidates fit (one float64 each), the reduced loss, residual count, ``Jᵀr`` and ``diag(JᵀJ)`` (one call), and the
     agreement on whether the factorisation succeeded (2 float64).  Per attempt: the
     step broadcast from rank 0 (``n + 1`` numbers), ``‖Jδ‖²`` (broadcast, or summed
     over the rows of each rank for CG) and the loss at the trial point.  Then the
@@ -138,6 +141,7 @@ def step_traffic(
         return Traffic()
     f64 = 8
     t = Traffic(allreduce=(world + 1) * f64, allreduce_calls=1)  # the batch check
+    t += Traffic(allreduce=plan_candidates * f64, allreduce_calls=1)  # the memory plan
     t += Traffic(allreduce=2 * f64 + 2 * n * itemsize, allreduce_calls=1)  # loss, Jᵀr, diag
     if form == "primal":
         t += Traffic(allreduce=n * n * gram_itemsize)  # travels in the same call

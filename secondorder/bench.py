@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
+from . import scaling as scaling_module
 from .linalg import gram_update
 from .lm import LevenbergMarquardt
 from .residuals import cross_entropy, mse
@@ -1129,6 +1130,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--out", default="out/bench", help="folder for bench.md and the plots")
     b.add_argument("--json", default=None, help="write the results as JSON to this file")
     b.add_argument("--floor-reps", type=int, default=5, help="repetitions per floor timing")
+    b.add_argument(
+        "--no-scaling",
+        action="store_true",
+        help="skip the scaling table (1, 2, 4 gloo processes) and the communication model",
+    )
     return b
 
 
@@ -1161,6 +1167,13 @@ def run_bench(args: argparse.Namespace) -> int:
         f"Command: `{command}`. Times are the optimizer's own (curve evaluations excluded)."
     )
     report = markdown(results, header)
+    scaling: dict[str, Any] | None = None
+    if not (args.tiny or args.no_scaling):
+        scaling_problem = scaling_module.QUICK if args.quick else scaling_module.FULL
+        text, scaling = scaling_module.report(
+            scaling_problem, (1, 2, 4), scaling_module.ModelAssumptions()
+        )
+        report += "\n\n## Scaling: processes, forms and communication\n\n" + text
     print()
     print(report)
     out = Path(args.out)
@@ -1177,6 +1190,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "machine": info,
             "problems": {pr.problem.key: pr.summary() for pr in results},
             "flop_scaling": flop_scaling(results),
+            "scaling": scaling,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(_finite_or_none(payload), indent=1, allow_nan=False)

@@ -127,8 +127,9 @@ def step_traffic(
             fixed solver and form, up to three under ``solver="auto"``.
 
     Per step, whatever the form: the batch check (``world + 1`` float64), the
-    memory plan's agreement on which candidates fit (one float64 each), the reduced loss, residual count, ``Jᵀr`` and ``diag(JᵀJ)`` (one call), and the
-    agreement on whether the factorisation succeeded (2 float64).  Per attempt: the
+    memory plan's agreement on which candidates fit (one float64 each), the reduced
+    loss, residual count, ``Jᵀr`` and ``diag(JᵀJ)`` (one call), and the agreement on
+    whether the factorisation succeeded (2 float64).  Per attempt: the
     step broadcast from rank 0 (``n + 1`` numbers), ``‖Jδ‖²`` (broadcast, or summed
     over the rows of each rank for CG) and the loss at the trial point.  Then the
     form's own: the Gram (``n²``, primal); the row counts (``2·world`` int64) and the
@@ -546,6 +547,56 @@ def add_scaling_parser(sub: Any) -> None:
     s.add_argument("--json", default=None, help="also write the tables to this file")
 
 
+def report(
+    problem: Problem | None,
+    ranks: Sequence[int],
+    assumptions: ModelAssumptions,
+) -> tuple[str, dict[str, Any]]:
+    """The measured table (``problem`` None: none) and the paper model, as markdown and data."""
+    lines: list[str] = []
+    out: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}"}
+    if problem is not None:
+        lines.append(
+            f"Measured: MLP {problem.inputs}-{problem.hidden}-{problem.hidden}-1 in float64, "
+            f"{problem.primal_samples} samples (dual: {problem.dual_samples}) split over the "
+            f"ranks, {problem.steps} steps, gloo on CPU, 1 thread per rank, "
+            f"{os.cpu_count()} CPUs, median s/step after the first"
+        )
+        rows = measure(problem, ranks)
+        lines += [
+            "",
+            "| form | ranks | n | m | s/step | attempts | CG its | bytes/step (counted) | model |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['form']} | {r['ranks']} | {r['n']} | {r['m']} | {r['s_per_step']:.4f} "
+                f"| {r['attempts_per_step']:.2g} | {r['cg_iterations_per_step']:.3g} "
+                f"| {_bytes(r['bytes_per_step'])} | {_bytes(r['model_bytes_per_step'])} |"
+            )
+        out["measured"] = rows
+    a = assumptions
+    lines += [
+        "",
+        f"Model: ring all-reduce 2(p-1)/p·B/β + 2(p-1)·α, all-gather (p-1)·B/β + (p-1)·α; "
+        f"β = {a.bandwidth / 1e9:g} GB/s, α = {a.latency * 1e6:g} µs, {a.flops / 1e12:g} "
+        f"TFLOP/s per GPU, float64, {a.attempts} attempts/step, {a.cg_iterations} CG "
+        "iterations/step; the Jacobian's own cost (which divides by p) is left out.",
+        "",
+        "| problem | form | GPUs | all-reduced/step | all-gathered/step | comm | compute | total |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    table = paper_table(a)
+    for r in table:
+        lines.append(
+            f"| {r['problem']} | {r['form']} | {r['ranks']} | {_bytes(r['allreduce_bytes'])} "
+            f"| {_bytes(r['allgather_bytes'])} | {_seconds(r['comm_s'])} "
+            f"| {_seconds(r['compute_s'])} | {_seconds(r['total_s'])} |"
+        )
+    out["model"] = {"assumptions": asdict(a), "rows": table}
+    return "\n".join(lines), out
+
+
 def run_scaling(args: argparse.Namespace) -> int:
     """Print the measured table and the paper model; return the exit status."""
     for name in ("bandwidth", "latency", "flops"):
@@ -554,54 +605,15 @@ def run_scaling(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name} must be a finite number > 0, got {value}")
     if args.cg_iterations < 0 or any(r < 1 for r in args.ranks):
         raise SystemExit("--cg-iterations must be >= 0 and --ranks >= 1")
-    out: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}"}
-    if not args.no_measure:
-        problem = QUICK if args.quick else FULL
-        print(
-            f"Measured: MLP {problem.inputs}-{problem.hidden}-{problem.hidden}-1 in float64, "
-            f"{problem.primal_samples} samples (dual: {problem.dual_samples}) split over the "
-            f"ranks, {problem.steps} steps, gloo on CPU, 1 thread per rank, "
-            f"{os.cpu_count()} CPUs, median s/step after the first"
-        )
-        rows = measure(problem, args.ranks)
-        print()
-        print(
-            "| form | ranks | n | m | s/step | attempts | CG its | bytes/step (counted) | model |"
-        )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            print(
-                f"| {r['form']} | {r['ranks']} | {r['n']} | {r['m']} | {r['s_per_step']:.4f} "
-                f"| {r['attempts_per_step']:.2g} | {r['cg_iterations_per_step']:.3g} "
-                f"| {_bytes(r['bytes_per_step'])} | {_bytes(r['model_bytes_per_step'])} |"
-            )
-        out["measured"] = rows
     a = ModelAssumptions(
         bandwidth=args.bandwidth,
         latency=args.latency,
         flops=args.flops,
         cg_iterations=args.cg_iterations,
     )
-    print()
-    print(
-        f"Model: ring all-reduce 2(p-1)/p·B/β + 2(p-1)·α, all-gather (p-1)·B/β + (p-1)·α; "
-        f"β = {a.bandwidth / 1e9:g} GB/s, α = {a.latency * 1e6:g} µs, {a.flops / 1e12:g} "
-        f"TFLOP/s per GPU, float64, {a.attempts} attempts/step, {a.cg_iterations} CG "
-        "iterations/step; the Jacobian's own cost (which divides by p) is left out."
-    )
-    print()
-    print(
-        "| problem | form | GPUs | all-reduced/step | all-gathered/step | comm | compute | total |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    table = paper_table(a)
-    for r in table:
-        print(
-            f"| {r['problem']} | {r['form']} | {r['ranks']} | {_bytes(r['allreduce_bytes'])} "
-            f"| {_bytes(r['allgather_bytes'])} | {_seconds(r['comm_s'])} "
-            f"| {_seconds(r['compute_s'])} | {_seconds(r['total_s'])} |"
-        )
-    out["model"] = {"assumptions": asdict(a), "rows": table}
+    problem = None if args.no_measure else QUICK if args.quick else FULL
+    text, out = report(problem, args.ranks, a)
+    print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

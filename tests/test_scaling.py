@@ -167,3 +167,17 @@ def test_cli_quick_measurement_counts_what_the_model_predicts(tmp_path, capsys):
         assert (r["bytes_per_step"] > 0) == (r["ranks"] > 1)
         assert r["s_per_step"] > 0
     assert "| form | ranks |" in capsys.readouterr().out
+
+
+def test_report_without_measurement_is_the_paper_model():
+    from secondorder.scaling import ModelAssumptions, paper_table, report
+
+    a = ModelAssumptions()
+    text, out = report(None, (1, 2), a)
+    assert "measured" not in out
+    assert out["model"]["rows"] == paper_table(a)
+    # One markdown row per model row, each naming its problem, form and GPU count.
+    rows = [line for line in text.splitlines() if line.startswith(("| tall", "| wide"))]
+    assert len(rows) == len(out["model"]["rows"])
+    for line, row in zip(rows, out["model"]["rows"], strict=True):
+        assert line.startswith(f"| {row['problem']} | {row['form']} | {row['ranks']} |")

@@ -146,10 +146,10 @@ class DampingMatrix:
         # then rounded to d's dtype; D = I when no column is usable.
         if state.damping <= damping_min:
             # Floor only the columns that carry no scale of their own.
-            tiny = torch.finfo(d.dtype).tiny
-            usable = torch.isfinite(d) & (d >= tiny)
             if d.numel() == 0:
                 return torch.ones_like(d)
+            tiny = torch.finfo(d.dtype).tiny
+            usable = torch.isfinite(d) & (d >= tiny)
             largest = torch.where(usable, d, torch.zeros_like(d)).max().to(torch.float64)
             fill = torch.clamp(largest * self.floor, min=tiny).to(d.dtype)
             return torch.where(largest > 0.0, torch.where(usable, d, fill), torch.ones_like(d))

@@ -253,7 +253,7 @@ def iterate(
                         _predicted_reduction(system, g, delta),
                         torch.linalg.vector_norm(delta, dtype=wide),
                         torch.linalg.vector_norm(x_try, dtype=wide),
-                        xnorm0.to(wide),
+                        xnorm0,
                     ]
                 ).tolist()
                 if not solved:

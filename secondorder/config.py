@@ -74,13 +74,19 @@ class LMConfig:
         geodesic_alpha: largest accepted ``2‖a‖/‖v‖``.
         min_gain_ratio: smallest gain ratio ρ of an accepted step.
         ftol, xtol, gtol: termination tolerances with scipy's meanings (0 disables).
-        gram_dtype: dtype in which ``JᵀJ`` (or ``JJᵀ``) is accumulated and factored.
-            The default, float64, keeps the small eigenvalues of the normal matrix
-            that a float32 accumulation loses: fitting sinc(10x) on 2,000 points,
-            a float32 Gram left 2 of 6 initialisations on a plateau (MSE 8e-5 and
-            1e-3 after 400 steps) where float64 brought all six below 2e-8, at about
-            2.5x the cost of the product.  Pass ``torch.float32`` for the fastest
-            steps; ``None`` uses the parameters' dtype.
+        gram_dtype: dtype in which ``JᵀJ`` (or ``JD⁻¹Jᵀ``) is accumulated and
+            factored.  ``"auto"`` (default): for float32 parameters, float32 while λ
+            is large enough that the float32 rounding of the matrix cannot change the
+            step by more than ``gram_auto_tol`` (relative), float64 once λ falls
+            below that; float64 for every other parameter dtype (see
+            :mod:`secondorder.precision`).  A float32 Gram throughout loses the small
+            eigenvalues that matter near Gauss-Newton: fitting sinc(10x) on 2,000
+            points it left 2 of 6 initialisations on a plateau (MSE 8e-5 and 1e-3
+            after 400 steps) where float64 brought all six below 2e-8, while the
+            float64 product costs about 2.5x the float32 one.  ``torch.float32`` or
+            ``torch.float64`` fix the dtype; ``None`` uses the parameters' dtype.
+        gram_auto_tol: under ``gram_dtype="auto"``, the largest relative error of
+            the solve that float32 may introduce, in (0, 1).
         cg_rtol, cg_max_iter: tolerance and iteration cap of the CG solver.
         cg_forcing: ``None`` (default) solves every CG system to ``cg_rtol``.  A
             number ``η_max`` in (0, 1) makes CG an inexact-Newton solver: the
@@ -115,7 +121,8 @@ class LMConfig:
     ftol: float = 1e-8
     xtol: float = 1e-8
     gtol: float = 1e-8
-    gram_dtype: torch.dtype | None = torch.float64
+    gram_dtype: torch.dtype | str | None = "auto"
+    gram_auto_tol: float = 1e-2
     cg_rtol: float = 1e-6
     cg_max_iter: int | None = None
     cg_forcing: float | None = None
@@ -164,10 +171,22 @@ class LMConfig:
             raise ValueError(f"Invalid min_gain_ratio={self.min_gain_ratio!r}: must be in [0, 1).")
         for name in ("ftol", "xtol", "gtol"):
             _nonnegative(name, getattr(self, name))
-        if self.gram_dtype not in (None, torch.float32, torch.float64):
+        if not (
+            self.gram_dtype is None
+            or self.gram_dtype == "auto"
+            or self.gram_dtype in (torch.float32, torch.float64)
+        ):
             raise ValueError(
-                f"Invalid gram_dtype={self.gram_dtype!r}: must be None, torch.float32 or "
-                "torch.float64."
+                f"Invalid gram_dtype={self.gram_dtype!r}: must be 'auto', None, "
+                "torch.float32 or torch.float64."
+            )
+        if isinstance(self.gram_auto_tol, bool) or not isinstance(self.gram_auto_tol, (int, float)):
+            raise TypeError(
+                f"Invalid gram_auto_tol={self.gram_auto_tol!r}: must be a number in (0, 1)."
+            )
+        if not 0.0 < self.gram_auto_tol < 1.0:
+            raise ValueError(
+                f"Invalid gram_auto_tol={self.gram_auto_tol!r}: must be a number in (0, 1)."
             )
         _positive("cg_rtol", self.cg_rtol)
         _positive_int("cg_max_iter", self.cg_max_iter, allow_none=True)

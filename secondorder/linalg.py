@@ -70,6 +70,9 @@ class NormalEquations:
         scale_sq: squared column norms the damping matrix is built from, when they
             differ from ``col_sq`` (robust losses rescale J's rows; the trust region
             stays in the units of the unscaled problem).  ``None``: use ``col_sq``.
+        row_scale: ``max_a Σ_j J_aj² / col_sq_j`` (0-d), the largest diagonal entry of
+            ``J diag(col_sq)⁻¹ Jᵀ``, when the dual form's precision choice needs it
+            (:mod:`secondorder.precision`); read with :meth:`scalars`.
     """
 
     loss_sum: Tensor
@@ -81,9 +84,11 @@ class NormalEquations:
     residuals: Tensor | None = None
     dual: bool = False
     scale_sq: Tensor | None = None
+    row_scale: Tensor | None = None
     _host: tuple[bool, float, float] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _row_scale_host: float | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -93,14 +98,17 @@ class NormalEquations:
     def scalars(self) -> tuple[bool, float, float]:
         """``(finite, Σr², gtol measure)``, read from the device in one synchronisation.
 
-        ``finite``: whether the loss, ``Jᵀr``, the column norms and the Gram or J hold
-        finite numbers only.  The gtol measure is MINPACK's: the largest ``|cos|``
+        ``finite``: whether the loss, ``Jᵀr``, the column norms and the Gram (hence
+        J) hold finite numbers only.  The gtol measure is MINPACK's: the largest ``|cos|``
         between a column of J and r, ``|Jᵀr|ᵢ / (‖Jᵢ‖·‖r‖)`` over nonzero columns (0 when
         r or J is zero).  Computed once and kept: the optimizer reads these numbers
         before its first attempt, and a GPU stalls at every read.
         """
         if self._host is None:
-            parts = [self.grad, self.col_sq, self.gram, self.jac]
+            # J itself is not scanned: col_sq = Σ J² is finite exactly when every entry
+            # of J is (or its squares overflow J's dtype, which no normal matrix in
+            # that dtype would survive either).
+            parts = [self.grad, self.col_sq, self.gram]
             finite = torch.isfinite(self.loss_sum)
             for t in parts:
                 if t is not None:
@@ -110,11 +118,20 @@ class NormalEquations:
             ratio = self.grad.abs() / (colnorm * rnorm)
             cos = torch.where(colnorm > 0, ratio, torch.zeros_like(ratio)).max()
             cos = torch.where(rnorm > 0, cos, torch.zeros_like(cos))
-            ok, loss, gtol = torch.stack(
-                [finite.to(torch.float64), self.loss_sum.to(torch.float64), cos.to(torch.float64)]
-            ).tolist()
-            self._host = (bool(ok), loss, gtol)
+            wide = torch.float64
+            read = [finite.to(wide), self.loss_sum.to(wide), cos.to(wide)]
+            if self.row_scale is not None:
+                read.append(self.row_scale.to(wide))
+            values = torch.stack(read).tolist()
+            self._host = (bool(values[0]), values[1], values[2])
+            if self.row_scale is not None:
+                self._row_scale_host = values[3]
         return self._host
+
+    def row_scale_value(self) -> float | None:
+        """``row_scale`` as a number (read in :meth:`scalars`'s one synchronisation)."""
+        self.scalars()
+        return self._row_scale_host
 
     def curvature(self, delta: Tensor) -> Tensor:
         """``‖Jδ‖² = δᵀJᵀJδ``, the curvature of the linear model along ``delta``."""
@@ -226,7 +243,8 @@ class _CholeskyPrimal(Factorization):
         self.d = d.to(gram.dtype)
 
     def _solve(self, damping: float, b: Tensor) -> tuple[Tensor, Tensor]:
-        m = self.gram + torch.diag(damping * self.d)
+        m = self.gram.clone()
+        m.diagonal().add_(damping * self.d)
         L, info = torch.linalg.cholesky_ex(m)
         return torch.cholesky_solve(b.to(m.dtype).unsqueeze(-1), L).squeeze(-1), info
 
@@ -248,7 +266,8 @@ class _CholeskyDual(Factorization):
 
     def _solve(self, damping: float, w: Tensor | None) -> tuple[Tensor, Tensor]:
         w = _require_w(w, "dual cholesky")
-        m = self.k + damping * torch.eye(self.k.shape[0], dtype=self.k.dtype, device=self.k.device)
+        m = self.k.clone()
+        m.diagonal().add_(damping)
         L, info = torch.linalg.cholesky_ex(m)
         y = torch.cholesky_solve(w.to(m.dtype).unsqueeze(-1), L).squeeze(-1)
         return self.inv_sqrt_d * (self.js.T @ y), info

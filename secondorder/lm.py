@@ -40,6 +40,7 @@ from .planner import (
     available_memory,
     plan_memory,
 )
+from .precision import GramPrecision
 from .residuals import ModelResidual, mse
 
 __all__ = ["LevenbergMarquardt", "StepInfo"]
@@ -64,6 +65,9 @@ class StepInfo:
         step_norm: ‖δ‖ of the applied update (0 if none).
         status: scipy-style code: 1 gtol, 2 ftol, 3 xtol, 4 ftol and xtol, else 0.
         jacobian, solver, form: the strategy, solver and form that were used.
+        gram_dtype: dtype of the normal matrix (``JᵀJ`` or ``JD⁻¹Jᵀ``) and its
+            factorisation this step (``"float32"``, ``"float64"``); ``""`` for CG,
+            which forms no matrix.
         cg_iterations: CG iterations spent in the step (CG solver only).
         timings: seconds per stage (``"linearize"``, ``"solve_and_trials"``, ``"total"``).
     """
@@ -83,6 +87,25 @@ class StepInfo:
     form: str
     cg_iterations: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    gram_dtype: str = ""
+
+
+def _set_solver_dtype(solver: LinearSolver, dtype: torch.dtype) -> None:
+    """Make ``solver`` (or the solver a distributed wrapper runs) factor in ``dtype``."""
+    inner = getattr(solver, "inner", solver)
+    if hasattr(inner, "dtype"):
+        inner.dtype = dtype
+
+
+def _normal_matrix_dtype(solver: LinearSolver, system: NormalEquations) -> str:
+    """The dtype the step's normal matrix is formed and factored in, as a name."""
+    if system.gram is not None:
+        return str(system.gram.dtype).replace("torch.", "")
+    inner = getattr(solver, "inner", solver)
+    if not hasattr(inner, "dtype") or system.jac is None:
+        return ""
+    dtype = inner.dtype or system.jac.dtype
+    return str(dtype).replace("torch.", "")
 
 
 def _batch_size(tree: Any, name: str) -> int:
@@ -252,6 +275,8 @@ class _ModelProblem:
         self.solver: LinearSolver = make_solver("cholesky")
         self.form = "primal"
         self.gram_dtype: torch.dtype | None = None
+        #: Whether ``linearize`` measures ``max diag(J D⁻¹ Jᵀ)`` (dual form, "auto").
+        self.row_scale = False
         #: Whether the last linearisation gathered every rank's rows of J (dual, QR).
         self.rows_gathered = False
 
@@ -309,6 +334,7 @@ class _ModelProblem:
         store = dual or self.solver.needs_jacobian
         distributed = self.reducer.world_size > 1
         points = self._points(x)
+        squares: Tensor | None = None
         with self._frozen():
             for k, inputs, targets in group.stage(self.slices()):
                 with group.on(k):
@@ -319,7 +345,8 @@ class _ModelProblem:
                     part_loss = torch.dot(r.to(wide), r.to(wide))
                     part_grad = J.T @ r
                     if store:
-                        part_col = (J * J).sum(0)
+                        squares = J * J
+                        part_col = squares.sum(0)
                     else:
                         grams[k] = gram_update(grams[k], J, self.gram_dtype)
                 # The vectors are added on the solver device in slice order, as one
@@ -337,8 +364,8 @@ class _ModelProblem:
         # The residual count travels with the loss: exact in float64 below 2⁵³ entries.
         tally = torch.stack([loss_sum, torch.tensor(float(count), dtype=wide, device=x.device)])
         self.reducer.sum_([tally, grad, col_sq] + ([gram] if gram is not None else []))
-        jac = torch.cat(jacs) if store else None
-        residuals = torch.cat(res) if store else None
+        jac = (jacs[0] if len(jacs) == 1 else torch.cat(jacs)) if store else None
+        residuals = (res[0] if len(res) == 1 else torch.cat(res)) if store else None
         sharded_rows = bool(getattr(self.solver, "rows_sharded", False))
         self.rows_gathered = distributed and store and not sharded_rows
         if self.rows_gathered:
@@ -347,6 +374,19 @@ class _ModelProblem:
             assert jac is not None and residuals is not None
             both = self.reducer.gather_rows(torch.cat([jac, residuals[:, None]], dim=1))
             jac, residuals = both[:, :-1], both[:, -1]
+        row_scale = None
+        if self.row_scale and dual and jac is not None:
+            # max diag(J diag(col_sq)⁻¹ Jᵀ), for the dual form's precision choice; one
+            # slice on one process reuses the squares its column norms were summed from.
+            tiny = torch.finfo(col_sq.dtype).tiny
+            inv = torch.where(col_sq > tiny, col_sq.clamp(min=tiny).reciprocal(), 0.0)
+            reuse = (
+                squares is not None
+                and len(jacs) == 1
+                and not self.rows_gathered
+                and squares.device == inv.device
+            )
+            row_scale = ((squares if reuse and squares is not None else jac * jac) @ inv).max()
         if not distributed:
             return NormalEquations(
                 loss_sum=tally[0],
@@ -357,6 +397,7 @@ class _ModelProblem:
                 jac=jac,
                 residuals=residuals,
                 dual=dual,
+                row_scale=row_scale,
             )
         return ShardedNormalEquations(
             loss_sum=tally[0],
@@ -367,6 +408,7 @@ class _ModelProblem:
             jac=jac,
             residuals=residuals,
             dual=dual,
+            row_scale=row_scale,
             reducer=self.reducer,
             rows_sharded=store and sharded_rows,
         )
@@ -593,6 +635,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         cfg = self.config
         self._rule = make_damping_rule(cfg.damping_rule, cfg.damping_up, cfg.damping_down)
         self._matrix = make_damping_matrix(cfg.damping_matrix)
+        self._precision = GramPrecision(cfg.gram_dtype, cfg.gram_auto_tol, cfg.damping_matrix)
         self._damping = DampingState(damping=float(damping))
         self._engine = EngineConfig(
             max_attempts=cfg.max_attempts,
@@ -811,17 +854,21 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         plan = self._plan(batch, m, m_all, name, slice_size)
         solver = plan.solver
         prob.form = plan.form
-        prob.gram_dtype = cfg.gram_dtype
+        gram_dtype = self._precision.fixed(prob.params[0].dtype)
+        prob.gram_dtype = gram_dtype
+        prob.row_scale = prob.form == "dual" and self._precision.needs_row_scale(
+            prob.params[0].dtype
+        )
         cg = {"cg_rtol": cfg.cg_rtol, "cg_max_iter": cfg.cg_max_iter, "cg_forcing": cfg.cg_forcing}
         if self.reducer.world_size > 1:
             inner = (
                 ShardedCGSolver(self.reducer, cfg.cg_rtol, cfg.cg_max_iter, cfg.cg_forcing)
                 if solver == "cg"
-                else make_backend_solver(solver, cfg.linalg_backend, cfg.gram_dtype, **cg)
+                else make_backend_solver(solver, cfg.linalg_backend, gram_dtype, **cg)
             )
             prob.solver = BroadcastSolver(inner, self.reducer)
         else:
-            prob.solver = make_backend_solver(solver, cfg.linalg_backend, cfg.gram_dtype, **cg)
+            prob.solver = make_backend_solver(solver, cfg.linalg_backend, gram_dtype, **cg)
         prob.slice_size = plan.slice_size
         if slice_size is None and len(prob.group) > 1:
             # At least one slice per device, or some devices would sit idle.
@@ -863,7 +910,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             rows=m,
             rows_total=m_all,
             dtype=p0.dtype,
-            gram_dtype=cfg.gram_dtype,
+            gram_dtype=self._precision.fixed(p0.dtype) or torch.float64,
             jacobian=jacobian,
             # An array-module backend exists to factor matrices too big for torch, and
             # offers no CG: under "auto" it always factors.
@@ -927,13 +974,27 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             sync_replica(self.model, replica)
         with torch.no_grad():
             x = torch.cat([p.detach().reshape(-1) for p in prob.params]).to(prob.group.solver)
+        dtype = prob.params[0].dtype
+        adaptive = self._precision.fixed(dtype) is None
+        if adaptive and prob.form == "primal":
+            prob.gram_dtype = self._precision.choose(dtype, self._damping.damping, m_total)
+            _set_solver_dtype(prob.solver, prob.gram_dtype)
         system = prob.linearize(x)
         t_lin = time.perf_counter()
         finite, loss_sum, _ = system.scalars()
+        if adaptive and prob.form == "dual":
+            scale = system.row_scale_value()
+            _set_solver_dtype(
+                prob.solver,
+                self._precision.choose(
+                    dtype, self._damping.damping, prob.n, math.inf if scale is None else scale
+                ),
+            )
         base: dict[str, Any] = {
             "jacobian": prob.strategy.name,
             "solver": prob.solver.name,
             "form": prob.form,
+            "gram_dtype": _normal_matrix_dtype(prob.solver, system),
         }
         if not finite:
             self._rule.reject(self._damping)

@@ -52,6 +52,10 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int]] = {
     "dual-cholesky": ({"form": "dual", "solver": "cholesky"}, N_DUAL),
     "dual-eigh-geodesic": ({"form": "dual", "solver": "eigh", "geodesic": True}, N_DUAL),
     "auto": ({}, N_PRIMAL),
+    # float32 models under gram_dtype="auto": float32 normal matrices at this λ, the
+    # dual form's precision measure computed from the gathered rows.
+    "primal-auto-float32": ({"dtype": torch.float32, "damping": 1.0}, N_PRIMAL),
+    "dual-auto-float32": ({"dtype": torch.float32, "damping": 1.0, "form": "dual"}, N_DUAL),
 }
 #: Four processes share this machine's cores, and each collective waits for all of
 #: them to be scheduled: on 4 ranks, one scenario per form.
@@ -63,11 +67,21 @@ CASE_IDS = [f"{world}ranks-{name}" for world, name in CASES]
 #: steps.  On one process, changing only the slice size (so only the order of the
 #: sums) moves the parameters of these runs by at most 3e-12 relative after 6 steps.
 RTOL = 1e-9
+#: float32 runs: the same differences of summation order, in float32 rounding.
+RTOL_FLOAT32 = 1e-4
 
 
-def model_for(seed: int, hidden: int = HIDDEN) -> nn.Module:
+def model_for(seed: int, hidden: int = HIDDEN, dtype: torch.dtype = torch.float64) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(1, hidden), nn.Tanh(), nn.Linear(hidden, 1)).double()
+    return nn.Sequential(nn.Linear(1, hidden), nn.Tanh(), nn.Linear(hidden, 1)).to(dtype)
+
+
+def options_of(name: str) -> tuple[dict[str, Any], torch.dtype, int]:
+    """The optimizer options, the model dtype and the global batch size of a scenario."""
+    options, n = SCENARIOS[name]
+    options = dict(options)
+    dtype = options.pop("dtype", torch.float64)
+    return options, dtype, n
 
 
 def global_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +119,13 @@ def train(opt: so.LevenbergMarquardt, model: nn.Module, x: Any, y: Any) -> dict[
 def job_train(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"reducer": job_reducer(rank, world)}
     for name in SCENARIOS if world == 2 else SCENARIOS_4:
-        options, n = SCENARIOS[name]
+        options, dtype, n = options_of(name)
         # Each rank starts from different weights: construction gives them rank 0's.
-        model = model_for(seed=rank)
+        model = model_for(seed=rank, dtype=dtype)
         opt = so.LevenbergMarquardt(model, **options)
         initial = flat(model)
-        out[name] = train(opt, model, *shard(n, rank, world))
+        x, y = shard(n, rank, world)
+        out[name] = train(opt, model, x.to(dtype), y.to(dtype))
         out[name]["initial"] = initial
         out[name]["reducer"] = repr(opt.reducer)
     if world == 2:
@@ -285,8 +300,8 @@ def launch(
 
 
 def reference(name: str) -> dict[str, Any]:
-    options, n = SCENARIOS[name]
-    model = model_for(seed=0)
+    options, dtype, n = options_of(name)
+    model = model_for(seed=0, dtype=dtype)
     opt = so.LevenbergMarquardt(model, **options)
     assert isinstance(opt.reducer, LocalReducer)
     with warnings.catch_warnings():
@@ -295,7 +310,8 @@ def reference(name: str) -> dict[str, Any]:
         warnings.filterwarnings(
             "ignore", "`torch.jit.script` is deprecated", category=DeprecationWarning
         )
-        return train(opt, model, *global_batch(n))
+        x, y = global_batch(n)
+        return train(opt, model, x.to(dtype), y.to(dtype))
 
 
 @functools.cache
@@ -314,16 +330,18 @@ def test_equals_single_process_on_the_concatenated_batch(world: int, name: str) 
     results = trained(world)
     ref = reference(name)
     got = results[0][name]
-    rtol = RTOL
+    dtype = options_of(name)[1]
+    rtol = RTOL if dtype == torch.float64 else RTOL_FLOAT32
     assert "ProcessGroupReducer(backend='gloo'" in got["reducer"]
-    assert torch.equal(got["initial"], flat(model_for(seed=0)))
+    assert torch.equal(got["initial"], flat(model_for(seed=0, dtype=dtype)))
     for step, (p, q, a, b) in enumerate(
         zip(got["params"], ref["params"], got["infos"], ref["infos"], strict=True)
     ):
         scale = float(q.abs().max())
         err = float((p - q).abs().max())
         assert err <= rtol * scale, f"step {step}: max |Δx| = {err:.3g} > {rtol} · {scale:.3g}"
-        for key in ("accepted", "attempts", "form", "solver", "jacobian", "status", "terminated"):
+        keys = ("accepted", "attempts", "form", "solver", "jacobian", "status", "terminated")
+        for key in (*keys, "gram_dtype"):
             assert a[key] == b[key], f"step {step}: {key} {a[key]!r} != {b[key]!r}"
         for key in ("loss", "loss_before", "damping"):
             assert a[key] == pytest.approx(b[key], rel=rtol * 10), f"step {step}: {key}"
@@ -333,6 +351,8 @@ def test_equals_single_process_on_the_concatenated_batch(world: int, name: str) 
         assert all(i["cg_iterations"] > 0 for i in got["infos"] if i["attempts"])
     expected_form = "dual" if name.startswith("dual") else "primal"
     assert got["infos"][0]["form"] == expected_form
+    if dtype == torch.float32:
+        assert got["infos"][0]["gram_dtype"] == "float32"
 
 
 @pytest.mark.parametrize(("world", "name"), CASES, ids=CASE_IDS)

@@ -103,15 +103,22 @@ def test_counter_sees_each_kind_of_sync() -> None:
     assert sites == []
 
 
-@pytest.mark.parametrize("gram_dtype", [torch.float64, torch.float32])
-def test_lm_step_syncs_only_for_its_decisions(gram_dtype: torch.dtype) -> None:
-    model, x, y = _sinc()
-    opt = so.LevenbergMarquardt(model, gram_dtype=gram_dtype)
+@pytest.mark.parametrize("form", ["primal", "dual"])
+@pytest.mark.parametrize("gram_dtype", [torch.float64, torch.float32, "auto"])
+def test_lm_step_syncs_only_for_its_decisions(gram_dtype: torch.dtype | str, form: str) -> None:
+    # Under "auto" the dual form reads its precision measure with the loss: no extra read.
+    model, x, y = _sinc(256 if form == "primal" else 24)
+    opt = so.LevenbergMarquardt(model, gram_dtype=gram_dtype, form=form, damping=1.0)
     opt.step(x, y)  # the first step on a new input signature checks and caches choices
+    dtypes = set()
     for _ in range(3):
         info, sites = _count(lambda: opt.step(x, y))
         assert info.accepted, info.reason
+        assert info.form == form
         assert len(sites) == 1 + 2 * info.attempts, sites
+        dtypes.add(info.gram_dtype)
+    if gram_dtype == "auto":
+        assert "float32" in dtypes, dtypes
 
 
 def test_rejected_attempts_each_cost_two_syncs() -> None:

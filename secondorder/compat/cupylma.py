@@ -67,7 +67,7 @@ class LMA:
             Cholesky, which raises λ when the factorisation fails instead of
             throwing).  A string selects one of secondorder's solvers.
         dtype: cuPyLMA's dtype of the normal matrix (``numpy.float32`` there); here it
-            sets ``gram_dtype``.  ``None`` keeps secondorder's default (float64).
+            sets ``gram_dtype``.  ``None`` keeps secondorder's default (``"auto"``).
         **options: any further :class:`~secondorder.config.LMConfig` field.
     """
 

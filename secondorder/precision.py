@@ -1,0 +1,101 @@
+"""The dtype of the normal matrix, chosen per iteration from the damping.
+
+A float32 product ``JᵀJ`` costs less than half a float64 one, but it rounds every
+entry.  How much that rounding matters depends on λ.  In the units of the damping
+matrix (``S = D^-½ JᵀJ D^-½`` with ``D ≥ diag(JᵀJ)``, so ``diag(S) ≤ 1``) the damped
+matrix is ``S + λI``, whose smallest eigenvalue is at least λ.  A perturbation ``E``
+of ``S`` moves the solution of ``(S + λI) z = b`` by at most about ``‖E‖₂ / λ``
+relative to ``z``.  The rounding error of a float32 accumulation over ``k`` terms
+behaves like ``‖E‖₂ ≈ u·√k`` in these units (``u = 2⁻²⁴``): measured at the
+benchmark's sinc problems, 4.5e-6 against the estimate 8.4e-6 for 20,000 × 193 and
+8e-6 to 1.6e-5 against 9.4e-6 for 25,000 × 769.  So while λ is large the float32
+matrix gives the same step to a fraction of a percent, and only when λ falls toward
+Gauss-Newton do its lost digits show (sinc on 20,000 points: relative step error
+1e-3 at λ = 1e-3, 5e-2 at 1e-5, above 1 at 1e-6).
+
+:class:`GramPrecision` turns that into a rule.  With ``gram_dtype="auto"`` (the
+default) and float32 parameters it uses float32 when the estimated error is at most
+``tol`` times λ, and float64 otherwise:
+
+* primal form, ``JᵀJ`` (n×n) summed over ``m`` residual rows:
+  ``ε = u·√m``;
+* dual form, ``J D⁻¹ Jᵀ`` (m×m) summed over ``n`` columns:
+  ``ε = u·√n·max_a Σ_j J_aj² / diag(JᵀJ)_j``, the largest diagonal entry of that
+  matrix (in the primal form it is at most 1; here it is not), read from the device
+  together with the loss, so the choice adds no synchronisation.
+
+The rule needs ``D ≥ diag(JᵀJ)``, which holds for the ``"marquardt"`` and ``"more"``
+damping matrices; with ``"identity"`` λ carries the units of ``JᵀJ`` and ``"auto"``
+keeps float64.  Parameters in float64 (or any dtype other than float32) also keep
+float64: the saving exists only when the model's own arithmetic is float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GramPrecision"]
+
+_U32 = float(torch.finfo(torch.float32).eps) / 2.0
+
+
+@dataclass(frozen=True)
+class GramPrecision:
+    """Which dtype the Gram (or ``JD⁻¹Jᵀ``) and its factorisation use this iteration.
+
+    Attributes:
+        requested: ``"auto"``, a dtype, or ``None`` (the parameters' dtype).
+        tol: under ``"auto"``, the largest estimated relative error of the solve,
+            ``ε / λ``, that float32 may introduce.
+        damping_matrix: name of the damping matrix; ``"auto"`` applies only where
+            ``D ≥ diag(JᵀJ)``.
+    """
+
+    requested: torch.dtype | str | None
+    tol: float = 1e-2
+    damping_matrix: str = "marquardt"
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the dtype can change from one iteration to the next."""
+        return self.requested == "auto" and self.damping_matrix != "identity"
+
+    def needs_row_scale(self, param_dtype: torch.dtype) -> bool:
+        """Whether the dual form must measure ``max diag(J D⁻¹ Jᵀ)`` for the choice."""
+        return self.adaptive and param_dtype == torch.float32
+
+    def fixed(self, param_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype when it does not depend on λ, else ``None``."""
+        if self.requested is None:
+            return param_dtype
+        if isinstance(self.requested, torch.dtype):
+            return self.requested
+        if not self.adaptive or param_dtype != torch.float32:
+            return torch.float64
+        return None
+
+    @staticmethod
+    def error_estimate(terms: int, scale: float = 1.0) -> float:
+        """``u·√terms·scale``: the float32 rounding error of the scaled normal matrix."""
+        return _U32 * math.sqrt(max(terms, 1)) * scale
+
+    def choose(
+        self, param_dtype: torch.dtype, damping: float, terms: int, scale: float = 1.0
+    ) -> torch.dtype:
+        """The dtype for an iteration whose first attempt uses damping ``damping``.
+
+        ``terms``: the length of the sums forming each entry (residual rows in the
+        primal form, parameters in the dual form); ``scale``: the largest diagonal
+        entry of the scaled normal matrix (1 in the primal form).  Later attempts of
+        the same iteration only raise λ, so the choice holds for all of them.
+        """
+        fixed = self.fixed(param_dtype)
+        if fixed is not None:
+            return fixed
+        if not (math.isfinite(scale) and math.isfinite(damping)):
+            return torch.float64
+        eps = self.error_estimate(terms, scale)
+        return torch.float32 if eps <= self.tol * damping else torch.float64

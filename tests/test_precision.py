@@ -1,0 +1,179 @@
+"""gram_dtype="auto": float32 normal matrices while λ hides their rounding, float64 after.
+
+References: the same step taken with the dtype fixed (bitwise), the rule's formula,
+``torch.func.jacrev`` for the dual form's scale, and ``torch.linalg.lstsq`` for where
+a whole float32 run ends.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev
+
+import secondorder as so
+from secondorder.precision import GramPrecision
+
+U32 = torch.finfo(torch.float32).eps / 2
+
+
+def _sinc(points: int, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 12), nn.Tanh(), nn.Linear(12, 1)).to(dtype)
+    x = torch.linspace(-1, 1, points, dtype=dtype).unsqueeze(1)
+    return model, x, torch.sinc(10 * x)
+
+
+def _params(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _one_step(gram_dtype: torch.dtype | str, points: int, damping: float, form: str) -> tuple:
+    model, x, y = _sinc(points)
+    opt = so.LevenbergMarquardt(model, gram_dtype=gram_dtype, damping=damping, form=form)
+    info = opt.step(x, y)
+    return info, _params(model)
+
+
+# -- the rule ---------------------------------------------------------------------------
+
+
+def test_fixed_choices_do_not_depend_on_damping() -> None:
+    for requested, params, expected in [
+        (torch.float32, torch.float64, torch.float32),
+        (torch.float64, torch.float32, torch.float64),
+        (None, torch.float32, torch.float32),
+        (None, torch.float64, torch.float64),
+        ("auto", torch.float64, torch.float64),
+        ("auto", torch.bfloat16, torch.float64),
+    ]:
+        rule = GramPrecision(requested)
+        assert rule.fixed(params) == expected
+        for damping in (1e-12, 1.0, 1e12):
+            assert rule.choose(params, damping, 10_000) == expected
+    # With D = I, λ carries the units of JᵀJ, so the rule has no scale: float64.
+    assert GramPrecision("auto", damping_matrix="identity").fixed(torch.float32) == torch.float64
+    assert GramPrecision("auto", damping_matrix="more").fixed(torch.float32) is None
+
+
+def test_auto_switches_where_the_error_estimate_meets_the_tolerance() -> None:
+    rule = GramPrecision("auto", tol=1e-2)
+    m = 20_000
+    eps = U32 * math.sqrt(m)
+    assert GramPrecision.error_estimate(m) == pytest.approx(eps, rel=1e-15)
+    edge = eps / 1e-2
+    assert rule.choose(torch.float32, edge * (1 + 1e-9), m) == torch.float32
+    assert rule.choose(torch.float32, edge * (1 - 1e-9), m) == torch.float64
+    # More terms in each sum, more rounding: the switch moves up with √m ...
+    assert rule.choose(torch.float32, edge * 1.5, 4 * m) == torch.float64
+    # ... and with the largest diagonal entry of the scaled matrix (the dual form).
+    assert rule.choose(torch.float32, edge * 1.5, m, scale=2.0) == torch.float64
+    assert rule.choose(torch.float32, math.inf, m, scale=math.nan) == torch.float64
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"gram_dtype": "float32"}, "gram_dtype='float32'"),
+        ({"gram_dtype": torch.float16}, "gram_dtype=torch.float16"),
+        ({"gram_auto_tol": 0.0}, "gram_auto_tol=0.0"),
+        ({"gram_auto_tol": 1.0}, "gram_auto_tol=1.0"),
+        ({"gram_auto_tol": True}, "gram_auto_tol=True"),
+        ({"gram_auto_tol": "1e-2"}, "gram_auto_tol='1e-2'"),
+    ],
+)
+def test_bad_precision_options_are_refused(options: dict, match: str) -> None:
+    model, _, _ = _sinc(8)
+    before = _params(model)
+    with pytest.raises((ValueError, TypeError), match=match):
+        so.LevenbergMarquardt(model, **options)
+    assert torch.equal(_params(model), before)
+
+
+# -- the step ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["primal", "dual"])
+@pytest.mark.parametrize(("damping", "expected"), [(1.0, torch.float32), (1e-9, torch.float64)])
+def test_auto_step_is_the_fixed_dtype_step(
+    form: str, damping: float, expected: torch.dtype
+) -> None:
+    points = 400 if form == "primal" else 20  # 37 parameters
+    info, after = _one_step("auto", points, damping, form)
+    ref_info, ref = _one_step(expected, points, damping, form)
+    assert info.form == form
+    assert info.gram_dtype == str(expected).removeprefix("torch.")
+    assert ref_info.gram_dtype == info.gram_dtype
+    assert torch.equal(after, ref)
+    assert info.loss == ref_info.loss
+
+
+def test_float64_models_keep_float64() -> None:
+    runs = []
+    for gram_dtype in ("auto", torch.float64):
+        model, x, y = _sinc(300, torch.float64)
+        opt = so.LevenbergMarquardt(model, gram_dtype=gram_dtype, damping=10.0)
+        infos = [opt.step(x, y) for _ in range(5)]
+        assert {i.gram_dtype for i in infos} == {"float64"}
+        runs.append(_params(model))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_dual_scale_is_the_largest_diagonal_of_the_scaled_matrix() -> None:
+    model, x, y = _sinc(20)
+    opt = so.LevenbergMarquardt(model, form="dual", damping=1.0)
+    info = opt.step(x, y)
+    assert info.form == "dual" and info.gram_dtype == "float32"
+    prob = opt._problem
+    system = prob.linearize(_params(model))
+    names = [k for k, _ in model.named_parameters()]
+    params = {k: p.detach().double() for k, p in model.named_parameters()}
+    model64 = _sinc(20, torch.float64)[0]
+
+    def residuals(p: dict[str, Tensor]) -> Tensor:
+        return (functional_call(model64, p, (x.double(),)) - y.double()).reshape(-1)
+
+    blocks = jacrev(residuals)(params)
+    J = torch.cat([blocks[k].reshape(20, -1) for k in names], dim=1)
+    col = (J * J).sum(0)
+    expected = ((J * J) / col).sum(1).max()
+    # m = 20 residuals in one sample each: the rows' scaled norms, up to float32 rounding.
+    assert system.row_scale_value() == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_identity_damping_keeps_float64_under_auto() -> None:
+    model, x, y = _sinc(200)
+    opt = so.LevenbergMarquardt(model, damping_matrix="identity", damping=1e3)
+    assert opt.step(x, y).gram_dtype == "float64"
+
+
+def test_cg_reports_no_normal_matrix() -> None:
+    model, x, y = _sinc(200)
+    opt = so.LevenbergMarquardt(model, solver="cg")
+    assert opt.step(x, y).gram_dtype == ""
+
+
+def test_a_float32_run_switches_and_ends_at_the_least_squares_solution() -> None:
+    # A float32 linear model: λ starts large (float32 steps) and falls toward
+    # Gauss-Newton (float64 steps); the answer is lstsq's, to float32 accuracy.
+    torch.manual_seed(3)
+    a = torch.randn(2_000, 12, dtype=torch.float64) * torch.logspace(0, 2, 12, dtype=torch.float64)
+    w_true = torch.randn(12, 1, dtype=torch.float64)
+    b = a @ w_true + 0.01 * torch.randn(2_000, 1, dtype=torch.float64)
+    model = nn.Linear(12, 1, bias=False)
+    opt = so.LevenbergMarquardt(
+        model, damping=10.0, damping_rule="multiplicative", damping_down=0.01, ftol=0.0, xtol=0.0
+    )
+    used = []
+    for _ in range(12):
+        info = opt.step(a.float(), b.float())
+        used.append(info.gram_dtype)
+    # The switch sits at λ = u·√2000 / 1e-2 ≈ 2.7e-4: 10, 0.1 and 1e-3 are float32.
+    assert used[:3] == ["float32"] * 3
+    assert "float64" in used[3:]
+    ref = torch.linalg.lstsq(a.float().double(), b.float().double()).solution.reshape(-1)
+    got = model.weight.detach().double().reshape(-1)
+    assert torch.linalg.vector_norm(got - ref) <= 1e-5 * torch.linalg.vector_norm(ref)

@@ -55,7 +55,7 @@ class GramPrecision:
     """
 
     requested: torch.dtype | str | None
-    tol: float = 1e-2
+    tol: float = 0.1
     damping_matrix: str = "marquardt"
 
     @property

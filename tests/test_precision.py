@@ -171,7 +171,7 @@ def test_a_float32_run_switches_and_ends_at_the_least_squares_solution() -> None
     for _ in range(12):
         info = opt.step(a.float(), b.float())
         used.append(info.gram_dtype)
-    # The switch sits at λ = u·√2000 / 1e-2 ≈ 2.7e-4: 10, 0.1 and 1e-3 are float32.
+    # The switch sits at λ = u·√2000 / 0.1 ≈ 2.7e-5: 10, 0.1 and 1e-3 are float32.
     assert used[:3] == ["float32"] * 3
     assert "float64" in used[3:]
     ref = torch.linalg.lstsq(a.float().double(), b.float().double()).solution.reshape(-1)

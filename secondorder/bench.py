@@ -764,7 +764,9 @@ def measure_floor(
         xv = torch.cat([p.detach().reshape(-1) for p in prob.params])
     params = prob.unflatten(xv)
     slices = list(prob.slices())
-    gdt = prob.gram_dtype or xv.dtype
+    # The dtype the step just taken formed its normal matrix in (under "auto" it
+    # follows λ; CG forms none and reports "").
+    gdt = getattr(torch, info.gram_dtype) if info.gram_dtype else (prob.gram_dtype or xv.dtype)
 
     def jac_all() -> list[Tensor]:
         return [prob.strategy(prob.program, params, a, b)[0].detach() for a, b in slices]

@@ -70,9 +70,10 @@ class NormalEquations:
         scale_sq: squared column norms the damping matrix is built from, when they
             differ from ``col_sq`` (robust losses rescale J's rows; the trust region
             stays in the units of the unscaled problem).  ``None``: use ``col_sq``.
-        row_scale: ``max_a Σ_j J_aj² / col_sq_j`` (0-d), the largest diagonal entry of
-            ``J diag(col_sq)⁻¹ Jᵀ``, when the dual form's precision choice needs it
-            (:mod:`secondorder.precision`); read with :meth:`scalars`.
+        dual_scale: the mean diagonal entry of ``J diag(col_sq)⁻¹ Jᵀ`` (0-d; the
+            number of nonzero columns over the number of rows), when the dual form's
+            precision choice needs it (:mod:`secondorder.precision`); read with
+            :meth:`scalars`.
     """
 
     loss_sum: Tensor
@@ -84,11 +85,11 @@ class NormalEquations:
     residuals: Tensor | None = None
     dual: bool = False
     scale_sq: Tensor | None = None
-    row_scale: Tensor | None = None
+    dual_scale: Tensor | None = None
     _host: tuple[bool, float, float] | None = field(
         default=None, init=False, repr=False, compare=False
     )
-    _row_scale_host: float | None = field(default=None, init=False, repr=False, compare=False)
+    _dual_scale_host: float | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -120,18 +121,18 @@ class NormalEquations:
             cos = torch.where(rnorm > 0, cos, torch.zeros_like(cos))
             wide = torch.float64
             read = [finite.to(wide), self.loss_sum.to(wide), cos.to(wide)]
-            if self.row_scale is not None:
-                read.append(self.row_scale.to(wide))
+            if self.dual_scale is not None:
+                read.append(self.dual_scale.to(wide))
             values = torch.stack(read).tolist()
             self._host = (bool(values[0]), values[1], values[2])
-            if self.row_scale is not None:
-                self._row_scale_host = values[3]
+            if self.dual_scale is not None:
+                self._dual_scale_host = values[3]
         return self._host
 
-    def row_scale_value(self) -> float | None:
-        """``row_scale`` as a number (read in :meth:`scalars`'s one synchronisation)."""
+    def dual_scale_value(self) -> float | None:
+        """``dual_scale`` as a number (read in :meth:`scalars`'s one synchronisation)."""
         self.scalars()
-        return self._row_scale_host
+        return self._dual_scale_host
 
     def curvature(self, delta: Tensor) -> Tensor:
         """``‖Jδ‖² = δᵀJᵀJδ``, the curvature of the linear model along ``delta``."""

@@ -275,8 +275,8 @@ class _ModelProblem:
         self.solver: LinearSolver = make_solver("cholesky")
         self.form = "primal"
         self.gram_dtype: torch.dtype | None = None
-        #: Whether ``linearize`` measures ``max diag(J D⁻¹ Jᵀ)`` (dual form, "auto").
-        self.row_scale = False
+        #: Whether ``linearize`` measures the scale of ``J D⁻¹ Jᵀ`` (dual form, "auto").
+        self.dual_scale = False
         #: Whether the last linearisation gathered every rank's rows of J (dual, QR).
         self.rows_gathered = False
 
@@ -334,7 +334,6 @@ class _ModelProblem:
         store = dual or self.solver.needs_jacobian
         distributed = self.reducer.world_size > 1
         points = self._points(x)
-        squares: Tensor | None = None
         with self._frozen():
             for k, inputs, targets in group.stage(self.slices()):
                 with group.on(k):
@@ -345,8 +344,7 @@ class _ModelProblem:
                     part_loss = torch.dot(r.to(wide), r.to(wide))
                     part_grad = J.T @ r
                     if store:
-                        squares = J * J
-                        part_col = squares.sum(0)
+                        part_col = (J * J).sum(0)
                     else:
                         grams[k] = gram_update(grams[k], J, self.gram_dtype)
                 # The vectors are added on the solver device in slice order, as one
@@ -374,19 +372,12 @@ class _ModelProblem:
             assert jac is not None and residuals is not None
             both = self.reducer.gather_rows(torch.cat([jac, residuals[:, None]], dim=1))
             jac, residuals = both[:, :-1], both[:, -1]
-        row_scale = None
-        if self.row_scale and dual and jac is not None:
-            # max diag(J diag(col_sq)⁻¹ Jᵀ), for the dual form's precision choice; one
-            # slice on one process reuses the squares its column norms were summed from.
+        dual_scale = None
+        if self.dual_scale and dual and jac is not None:
+            # The mean diagonal entry of J diag(col_sq)⁻¹ Jᵀ: its trace, the count of
+            # nonzero columns, over the number of rows.  No pass over J.
             tiny = torch.finfo(col_sq.dtype).tiny
-            inv = torch.where(col_sq > tiny, col_sq.clamp(min=tiny).reciprocal(), 0.0)
-            reuse = (
-                squares is not None
-                and len(jacs) == 1
-                and not self.rows_gathered
-                and squares.device == inv.device
-            )
-            row_scale = ((squares if reuse and squares is not None else jac * jac) @ inv).max()
+            dual_scale = (col_sq > tiny).sum().to(torch.float64) / max(jac.shape[0], 1)
         if not distributed:
             return NormalEquations(
                 loss_sum=tally[0],
@@ -397,7 +388,7 @@ class _ModelProblem:
                 jac=jac,
                 residuals=residuals,
                 dual=dual,
-                row_scale=row_scale,
+                dual_scale=dual_scale,
             )
         return ShardedNormalEquations(
             loss_sum=tally[0],
@@ -408,7 +399,7 @@ class _ModelProblem:
             jac=jac,
             residuals=residuals,
             dual=dual,
-            row_scale=row_scale,
+            dual_scale=dual_scale,
             reducer=self.reducer,
             rows_sharded=store and sharded_rows,
         )
@@ -856,7 +847,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         prob.form = plan.form
         gram_dtype = self._precision.fixed(prob.params[0].dtype)
         prob.gram_dtype = gram_dtype
-        prob.row_scale = prob.form == "dual" and self._precision.needs_row_scale(
+        prob.dual_scale = prob.form == "dual" and self._precision.needs_dual_scale(
             prob.params[0].dtype
         )
         cg = {"cg_rtol": cfg.cg_rtol, "cg_max_iter": cfg.cg_max_iter, "cg_forcing": cfg.cg_forcing}
@@ -983,7 +974,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         t_lin = time.perf_counter()
         finite, loss_sum, _ = system.scalars()
         if adaptive and prob.form == "dual":
-            scale = system.row_scale_value()
+            scale = system.dual_scale_value()
             _set_solver_dtype(
                 prob.solver,
                 self._precision.choose(

@@ -18,11 +18,15 @@ default) and float32 parameters it uses float32 when the estimated error is at m
 ``tol`` times λ, and float64 otherwise:
 
 * primal form, ``JᵀJ`` (n×n) summed over ``m`` residual rows:
-  ``ε = u·√m``;
-* dual form, ``J D⁻¹ Jᵀ`` (m×m) summed over ``n`` columns:
-  ``ε = u·√n·max_a Σ_j J_aj² / diag(JᵀJ)_j``, the largest diagonal entry of that
-  matrix (in the primal form it is at most 1; here it is not), read from the device
-  together with the loss, so the choice adds no synchronisation.
+  ``ε = u·√m`` (the diagonal of ``S`` is at most 1);
+* dual form, ``J D⁻¹ Jᵀ`` (m×m) summed over ``n`` columns, whose diagonal is not
+  bounded by 1: ``ε = u·√n·s`` with ``s`` its mean diagonal entry, the trace over
+  ``m``, which with ``D = diag(JᵀJ)`` is the number of nonzero columns over ``m``.
+  It is read from the device together with the loss, so the choice adds no
+  synchronisation.  Measured on the benchmark's digits problems: ``‖E‖₂`` 1.5e-4 to
+  2.9e-4 against the estimate 1.0e-3 to 1.1e-3 (128 × 19,210), 1.1e-5 to 1.4e-5
+  against 2.4e-5 to 2.6e-5 (256 × 2,410): conservative by 2-7x, where the largest
+  diagonal entry in place of the mean would be 15-40x.
 
 The rule needs ``D ≥ diag(JᵀJ)``, which holds for the ``"marquardt"`` and ``"more"``
 damping matrices; with ``"identity"`` λ carries the units of ``JᵀJ`` and ``"auto"``
@@ -63,8 +67,8 @@ class GramPrecision:
         """Whether the dtype can change from one iteration to the next."""
         return self.requested == "auto" and self.damping_matrix != "identity"
 
-    def needs_row_scale(self, param_dtype: torch.dtype) -> bool:
-        """Whether the dual form must measure ``max diag(J D⁻¹ Jᵀ)`` for the choice."""
+    def needs_dual_scale(self, param_dtype: torch.dtype) -> bool:
+        """Whether the dual form must measure the scale of ``J D⁻¹ Jᵀ`` for the choice."""
         return self.adaptive and param_dtype == torch.float32
 
     def fixed(self, param_dtype: torch.dtype) -> torch.dtype | None:
@@ -88,7 +92,7 @@ class GramPrecision:
         """The dtype for an iteration whose first attempt uses damping ``damping``.
 
         ``terms``: the length of the sums forming each entry (residual rows in the
-        primal form, parameters in the dual form); ``scale``: the largest diagonal
+        primal form, parameters in the dual form); ``scale``: the mean diagonal
         entry of the scaled normal matrix (1 in the primal form).  Later attempts of
         the same iteration only raise λ, so the choice holds for all of them.
         """

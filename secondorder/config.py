@@ -40,6 +40,17 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"Unknown {name}={value!r}; valid choices are {choices}.")
 
 
+def _open_unit(name: str, value: object, allow_none: bool = False) -> None:
+    """A number strictly between 0 and 1 (or None where ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    what = "None or a number" if allow_none else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Invalid {name}={value!r}: must be {what} in (0, 1).")
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"Invalid {name}={value!r}: must be {what} in (0, 1).")
+
+
 def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -185,25 +196,10 @@ class LMConfig:
                 f"Invalid gram_dtype={self.gram_dtype!r}: must be 'auto', None, "
                 "torch.float32 or torch.float64."
             )
-        if isinstance(self.gram_auto_tol, bool) or not isinstance(self.gram_auto_tol, (int, float)):
-            raise TypeError(
-                f"Invalid gram_auto_tol={self.gram_auto_tol!r}: must be a number in (0, 1)."
-            )
-        if not 0.0 < self.gram_auto_tol < 1.0:
-            raise ValueError(
-                f"Invalid gram_auto_tol={self.gram_auto_tol!r}: must be a number in (0, 1)."
-            )
+        _open_unit("gram_auto_tol", self.gram_auto_tol)
         _positive("cg_rtol", self.cg_rtol)
         _positive_int("cg_max_iter", self.cg_max_iter, allow_none=True)
-        if self.cg_forcing is not None:
-            if isinstance(self.cg_forcing, bool) or not isinstance(self.cg_forcing, (int, float)):
-                raise TypeError(
-                    f"Invalid cg_forcing={self.cg_forcing!r}: must be None or a number in (0, 1)."
-                )
-            if not 0.0 < self.cg_forcing < 1.0:
-                raise ValueError(
-                    f"Invalid cg_forcing={self.cg_forcing!r}: must be None or a number in (0, 1)."
-                )
+        _open_unit("cg_forcing", self.cg_forcing, allow_none=True)
         _choice("linalg_backend", self.linalg_backend, LINALG_BACKENDS)
         if self.linalg_backend != "torch":
             if self.solver not in BACKEND_SOLVERS:

@@ -847,9 +847,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         prob.form = plan.form
         gram_dtype = self._precision.fixed(prob.params[0].dtype)
         prob.gram_dtype = gram_dtype
-        prob.dual_scale = prob.form == "dual" and self._precision.needs_dual_scale(
-            prob.params[0].dtype
-        )
+        prob.dual_scale = prob.form == "dual" and self._precision.varies(prob.params[0].dtype)
         cg = {"cg_rtol": cfg.cg_rtol, "cg_max_iter": cfg.cg_max_iter, "cg_forcing": cfg.cg_forcing}
         if self.reducer.world_size > 1:
             inner = (
@@ -966,7 +964,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         with torch.no_grad():
             x = torch.cat([p.detach().reshape(-1) for p in prob.params]).to(prob.group.solver)
         dtype = prob.params[0].dtype
-        adaptive = self._precision.fixed(dtype) is None
+        adaptive = self._precision.varies(dtype)
         if adaptive and prob.form == "primal":
             prob.gram_dtype = self._precision.choose(dtype, self._damping.damping, m_total)
             _set_solver_dtype(prob.solver, prob.gram_dtype)

@@ -67,9 +67,9 @@ class GramPrecision:
         """Whether the dtype can change from one iteration to the next."""
         return self.requested == "auto" and self.damping_matrix != "identity"
 
-    def needs_dual_scale(self, param_dtype: torch.dtype) -> bool:
-        """Whether the dual form must measure the scale of ``J D⁻¹ Jᵀ`` for the choice."""
-        return self.adaptive and param_dtype == torch.float32
+    def varies(self, param_dtype: torch.dtype) -> bool:
+        """Whether the choice depends on λ (and, in the dual form, on the scale of J)."""
+        return self.fixed(param_dtype) is None
 
     def fixed(self, param_dtype: torch.dtype) -> torch.dtype | None:
         """The dtype when it does not depend on λ, else ``None``."""

@@ -1,0 +1,12 @@
+"""Test support shipped with secondorder: run a function on real ``torch.distributed`` ranks.
+
+:func:`run_ranks` starts ``world`` fresh Python processes on this machine, joins them
+in a gloo process group and calls one importable function on every rank; it returns
+what each rank returned, or raises :class:`RankError` naming the rank that failed.
+The LM, K-FAC and Shampoo tests compare these results with a single-process run on
+the concatenated batch.
+"""
+
+from .distributed import RankError, RankResult, run_ranks
+
+__all__ = ["RankError", "RankResult", "run_ranks"]

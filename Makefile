@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Override on a GPU machine, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo bench bench-quick test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick scaling test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,14 +25,17 @@ $(VENV)/.bench: $(VENV)/.installed
 	touch $@
 
 bench: $(VENV)/.bench
-	$(PY) -m secondorder bench --json out/bench/bench.json
+	$(PY) -m benchmarks.bench --json out/bench/bench.json
 
 bench-quick: $(VENV)/.bench
-	$(PY) -m secondorder bench --quick --json out/bench/bench_quick.json
+	$(PY) -m benchmarks.bench --quick --json out/bench/bench_quick.json
+
+scaling: venv
+	$(PY) -m benchmarks.scaling
 
 lint: venv
-	$(PY) -m ruff check secondorder tests examples
-	$(PY) -m ruff format --check secondorder tests examples
+	$(PY) -m ruff check secondorder tests examples benchmarks
+	$(PY) -m ruff format --check secondorder tests examples benchmarks
 
 typecheck: venv
 	$(PY) -m mypy
@@ -44,8 +47,8 @@ test-slow: venv
 	$(PY) -m pytest -q -m slow
 
 format: venv
-	$(PY) -m ruff format secondorder tests examples
-	$(PY) -m ruff check --fix secondorder tests examples
+	$(PY) -m ruff format secondorder tests examples benchmarks
+	$(PY) -m ruff check --fix secondorder tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

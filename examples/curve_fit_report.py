@@ -18,7 +18,7 @@ import argparse
 import numpy as np
 import torch
 
-from secondorder.curve_fit import curve_fit, fit_report
+from secondorder.fitting import curve_fit, fit_report
 
 NAMES = ["amp1", "center1", "width1", "amp2", "center2", "width2", "slope", "offset"]
 TRUE = [3.0, -1.0, 0.4, 1.5, 0.8, 0.6, 0.2, 0.5]

@@ -38,7 +38,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 import secondorder as so
-from secondorder.fit import fit
+from secondorder.training import fit
 
 
 def data(limit: int | None, seed: int):

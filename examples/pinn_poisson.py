@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import secondorder as so
-from secondorder.fit import fit
+from secondorder.training import fit
 
 PI = math.pi
 

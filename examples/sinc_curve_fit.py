@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import secondorder as so
-from secondorder.fit import fit
+from secondorder.training import fit
 
 
 def make_model(hidden: int, seed: int) -> nn.Module:

@@ -1,25 +1,44 @@
 """secondorder: second-order optimizers for PyTorch.
 
-The flagship is :class:`LevenbergMarquardt`, which trains models by solving the damped
-normal equations with an explicit Jacobian, and :func:`least_squares`, its functional
-counterpart for fitting the parameters of a model function.
+One package per family, sharing one distributed layer and one training loop:
+
+* :mod:`secondorder.lm`: :class:`LevenbergMarquardt`, which trains models by solving the
+  damped normal equations with an explicit Jacobian;
+* :mod:`secondorder.fitting`: :func:`least_squares` and :func:`curve_fit`, its
+  functional counterparts for fitting the parameters of a model function;
+* :mod:`secondorder.training`: :func:`fit`, the training loop;
+* :mod:`secondorder.distributed`: reducers over processes and devices, used by every
+  family; :mod:`secondorder.testing`: the multi-process launcher their tests share.
 """
 
-from . import damping, jacobian, linalg, planner, residuals
-from .config import LMConfig
-from .curve_fit import (
+import sys as _sys
+from importlib import import_module as _import_module
+
+from . import distributed, fitting, lm, training
+from .fitting import (
     FitReport,
+    OptimizeResult,
     correlation,
     covariance,
     curve_fit,
     fit_report,
+    least_squares,
     standard_errors,
 )
-from .fit import Callback, CSVLogger, History, TensorBoardLogger, fit
-from .least_squares import OptimizeResult, least_squares
-from .lm import LevenbergMarquardt, StepInfo
-from .planner import MemoryPlan, PlanError
-from .residuals import ModelResidual
+from .lm import (
+    LevenbergMarquardt,
+    LMConfig,
+    MemoryPlan,
+    ModelResidual,
+    PlanError,
+    StepInfo,
+    damping,
+    jacobian,
+    linalg,
+    planner,
+    residuals,
+)
+from .training import Callback, CSVLogger, History, TensorBoardLogger, fit
 
 __all__ = [
     "CSVLogger",
@@ -38,14 +57,43 @@ __all__ = [
     "covariance",
     "curve_fit",
     "damping",
+    "distributed",
     "fit",
     "fit_report",
+    "fitting",
     "jacobian",
     "least_squares",
     "linalg",
+    "lm",
     "planner",
     "residuals",
     "standard_errors",
+    "training",
 ]
 
 __version__ = "0.1.0"
+
+# The module paths of the flat layout the families replaced (``from secondorder.fit
+# import fit``, ``from secondorder.linalg import NormalEquations``) keep importing the
+# same modules, so code written against them runs unchanged.
+for _old, _new in {
+    "backends": "lm.backends",
+    "config": "lm.config",
+    "curve_fit": "fitting.curve_fit",
+    "damping": "lm.damping",
+    "distributed.solve": "lm.sharded",
+    "engine": "lm.engine",
+    "fit": "training.fit",
+    "jacobian": "lm.jacobian",
+    "least_squares": "fitting.least_squares",
+    "linalg": "lm.linalg",
+    "planner": "lm.planner",
+    "precision": "lm.precision",
+    "residuals": "lm.residuals",
+}.items():
+    _module = _import_module(f"{__name__}.{_new}")
+    _sys.modules.setdefault(f"{__name__}.{_old}", _module)
+    _parent, _, _leaf = f"{__name__}.{_old}".rpartition(".")
+    if not hasattr(_sys.modules[_parent], _leaf):  # so.engine; so.fit stays the function
+        setattr(_sys.modules[_parent], _leaf, _module)
+del _old, _new, _module, _parent, _leaf

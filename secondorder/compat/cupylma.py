@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed.devices import resolve_devices
-from ..lm import LevenbergMarquardt, StepInfo
-from ..residuals import mse
+from ..lm.optimizer import LevenbergMarquardt, StepInfo
+from ..lm.residuals import mse
 
 __all__ = ["LMA", "get_available_gpus"]
 

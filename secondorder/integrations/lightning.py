@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..fit import _split_batch
-from ..lm import LevenbergMarquardt, StepInfo
+from ..lm.optimizer import LevenbergMarquardt, StepInfo
+from ..training.fit import _split_batch
 
 __all__ = ["LevenbergMarquardtMixin", "lm_training_step"]
 

@@ -8,9 +8,7 @@ import torch.distributed as dist
 
 from secondorder.testing import RankError, run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
-)
+pytestmark = pytest.mark.distributed
 
 
 def job_sum(rank: int, world: int, base: float) -> tuple[int, int, float]:

@@ -17,14 +17,14 @@ import torch
 from torch import Tensor, nn
 
 import secondorder as so
-from secondorder.backends import (
+from secondorder.lm.backends import (
     ArrayCholeskySolver,
     ArrayEighSolver,
     array_module,
     make_backend_solver,
     surely_positive_definite,
 )
-from secondorder.linalg import NormalEquations, make_solver
+from secondorder.lm.linalg import NormalEquations, make_solver
 
 DT = torch.float64
 LAMBDAS = (0.0, 1e-6, 1e-3, 0.1, 30.0)

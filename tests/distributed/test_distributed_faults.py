@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
-import test_distributed as td
 import torch
-import torch.distributed as dist
-from test_distributed import (
-    RTOL,
-    SCENARIOS,
-    flat,
-    global_batch,
-    info_dict,
-    launch,
-    model_for,
-    shard,
-)
+from lm_cases import RTOL, SCENARIOS, flat, global_batch, info_dict, model_for, shard
 from torch import Tensor
 
 import secondorder as so
+from secondorder.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
-)
+pytestmark = pytest.mark.distributed
 
 WORLD = 2
 STEPS = 3
@@ -112,24 +99,11 @@ def job_faults(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _rank_main(rank: int, world: int, init: str, job: str, out: str, timeout_s: float) -> None:
-    td.JOBS["faults"] = job_faults
-    td._rank_main(rank, world, init, job, out, timeout_s)
-
-
 @pytest.fixture(scope="module")
-def faulted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    original = td._rank_main
-    td._rank_main = _rank_main  # launch() spawns this module's entry point
-    try:
-        # Generous limits: the ranks share this machine's cores with whatever else runs.
-        tmp = Path(tmp_path_factory.mktemp("faults"))
-        results = launch("faults", WORLD, tmp, timeout_s=120.0, deadline_s=300.0)
-    finally:
-        td._rank_main = original
-    for r in range(WORLD):
-        assert "result" in results.get(r, {}), f"rank {r}: {results.get(r)}"
-    return {r: res["result"] for r, res in results.items()}
+def faulted() -> dict[int, Any]:
+    # Generous limits: the ranks share this machine's cores with whatever else runs.
+    results = run_ranks(job_faults, WORLD, timeout_s=120.0, deadline_s=300.0)
+    return {r: res.value for r, res in results.items()}
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)

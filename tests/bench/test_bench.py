@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from secondorder import bench
+from benchmarks import bench
 
 
 def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
@@ -46,7 +46,7 @@ def test_json_structure(tiny_run: dict[str, object]) -> None:
     assert isinstance(data, dict)
     assert data["mode"] == "tiny"
     assert {"cpu", "threads", "torch"} <= set(data["machine"])
-    assert data["command"].startswith("python -m secondorder bench --tiny")
+    assert data["command"].startswith("python -m benchmarks.bench --tiny")
     problems = data["problems"]
     assert list(problems) == ["sinc", "digits_mlp"]
     sinc = problems["sinc"]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 import secondorder as so
-from secondorder.damping import (
+from secondorder.lm.damping import (
     DampingState,
     IdentityMatrix,
     MarquardtMatrix,
@@ -25,7 +25,7 @@ from secondorder.damping import (
     make_damping_matrix,
     make_damping_rule,
 )
-from secondorder.linalg import NormalEquations, make_solver
+from secondorder.lm.linalg import NormalEquations, make_solver
 
 DT = torch.float64
 DIRECT = ("cholesky", "eigh", "qr")
@@ -232,7 +232,7 @@ def test_engine_raises_damping_when_cholesky_fails():
             raise AssertionError
 
     state = DampingState(damping=0.0)
-    out = so.engine.iterate(
+    out = so.lm.engine.iterate(
         Flat(),
         torch.zeros(n, dtype=DT),
         system,
@@ -240,7 +240,7 @@ def test_engine_raises_damping_when_cholesky_fails():
         rule=NielsenRule(),
         matrix=IdentityMatrix(),
         state=state,
-        config=so.engine.EngineConfig(max_attempts=1),
+        config=so.lm.engine.EngineConfig(max_attempts=1),
     )
     assert not out.accepted
     assert "linear solve failed" in out.reason

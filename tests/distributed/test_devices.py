@@ -400,10 +400,7 @@ def _rank_job(rank: int, world: int, init: str, out: str) -> None:
 
 
 @pytest.mark.slow  # starting two Python processes with torch takes most of 20 s here
-@pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed gloo",
-)
+@pytest.mark.distributed
 def test_devices_within_each_rank_equal_one_process(tmp_path: Any) -> None:
     """Two gloo ranks, two devices each, against one process on the whole batch."""
     import multiprocessing as mp

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import secondorder as so
 from secondorder.compat.cupylma import LMA
-from secondorder.fit import Callback, CSVLogger, History, StepRecord, fit
 from secondorder.lm import StepInfo
+from secondorder.training import Callback, CSVLogger, History, StepRecord, fit
 
 
 def sinc_problem(points=200, hidden=32, seed=0, dtype=torch.float32):

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..linalg import _CG, CGSolver, Factorization, LinearSolver, NormalEquations
-from .reducer import LocalReducer, Reducer
+from ..distributed.reducer import LocalReducer, Reducer
+from .linalg import _CG, CGSolver, Factorization, LinearSolver, NormalEquations
 
 __all__ = ["BroadcastSolver", "ShardedCGSolver", "ShardedNormalEquations"]
 

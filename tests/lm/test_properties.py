@@ -157,7 +157,14 @@ def test_least_squares_linear_problems_match_lstsq_or_name_x0(x0_kind, case):
     rounding = 1e-6 if out == "float32" else 1e-10
     assert res.cost <= ref_cost * (1 + rounding) + rounding * cost0 + 1e-30
     if out != "float32" and m >= n and float(torch.linalg.cond(A64)) < 1e3:
-        torch.testing.assert_close(x, ref, rtol=1e-6, atol=1e-8)
+        if res.status == 2:
+            # Stopped by ftol (relative cost reduction < 1e-8, scipy's default): the cost
+            # is that close to optimal, so ½σ_min²‖x - x*‖² ≤ 1e-8·cost* bounds the error.
+            sigma_min = float(torch.linalg.svdvals(A64)[-1])
+            bound = math.sqrt(2 * 1e-8 * ref_cost) / sigma_min
+            assert float((x - ref).norm()) <= bound + 1e-8
+        else:
+            torch.testing.assert_close(x, ref, rtol=1e-6, atol=1e-8)
 
 
 # Options of least_squares with the values a user might pass by mistake.

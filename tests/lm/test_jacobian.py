@@ -19,8 +19,8 @@ from torch.func import functional_call, hessian, jacrev, vmap
 
 import secondorder as so
 from secondorder.distributed import LocalReducer
-from secondorder.jacobian import make_jacobian
-from secondorder.lm import _ModelProblem
+from secondorder.lm.jacobian import make_jacobian
+from secondorder.lm.optimizer import _ModelProblem
 
 DT = torch.float64
 STRATEGIES = ("reverse", "forward", "batch_reverse", "batch_forward")

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import secondorder as so
-from secondorder import lm as lm_module
+from secondorder.lm import optimizer as lm_module
 
 F64 = torch.float64
 BATCH, SLICE = 40, 10

@@ -1,8 +1,8 @@
 """The communication model against the bytes a real 2-rank gloo run hands to its reducer.
 
-:class:`~secondorder.scaling.CountingReducer` is the real ``ProcessGroupReducer`` with
+:class:`~benchmarks.scaling.CountingReducer` is the real ``ProcessGroupReducer`` with
 a tally; two spawned ranks train one problem in each form, and every step's tally
-must equal :func:`~secondorder.scaling.step_traffic` for that step's attempts and CG
+must equal :func:`~benchmarks.scaling.step_traffic` for that step's attempts and CG
 iterations.  The same launch checks CG with a forcing term across ranks against a
 single process on the concatenated batch.
 """
@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from secondorder import cli
-from secondorder.scaling import (
+from benchmarks import scaling as scaling_cli
+from benchmarks.scaling import (
     FORMS,
     Problem,
     Traffic,
@@ -31,9 +30,7 @@ from secondorder.scaling import (
     step_traffic,
 )
 
-gloo = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
-)
+gloo = pytest.mark.distributed
 
 #: n = 2·6 + 6 + 6·6 + 6 + 6 + 1 = 67 parameters; 64 residuals (primal, CG) or 16 (dual),
 #: split evenly over 2 ranks.
@@ -134,14 +131,14 @@ def test_paper_table_shows_where_each_form_stops_scaling():
 
 
 def _assumptions() -> Any:
-    from secondorder.scaling import ModelAssumptions
+    from benchmarks.scaling import ModelAssumptions
 
     return ModelAssumptions()
 
 
 def test_cli_prints_the_model_and_writes_json(tmp_path, capsys):
     path = tmp_path / "scaling.json"
-    assert cli.main(["scaling", "--no-measure", "--json", str(path), "--bandwidth", "5e10"]) == 0
+    assert scaling_cli.main(["--no-measure", "--json", str(path), "--bandwidth", "5e10"]) == 0
     out = capsys.readouterr().out
     assert "| problem | form | GPUs |" in out and "β = 50 GB/s" in out
     payload = json.loads(path.read_text())
@@ -152,14 +149,14 @@ def test_cli_prints_the_model_and_writes_json(tmp_path, capsys):
 
 def test_cli_refuses_a_bad_bandwidth():
     with pytest.raises(SystemExit, match=r"--bandwidth must be a finite number > 0, got -1"):
-        cli.main(["scaling", "--no-measure", "--bandwidth", "-1"])
+        scaling_cli.main(["--no-measure", "--bandwidth", "-1"])
 
 
 @gloo
 @pytest.mark.slow
 def test_cli_quick_measurement_counts_what_the_model_predicts(tmp_path, capsys):
     path = tmp_path / "scaling.json"
-    assert cli.main(["scaling", "--quick", "--ranks", "1", "2", "--json", str(path)]) == 0
+    assert scaling_cli.main(["--quick", "--ranks", "1", "2", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["measured"]
     assert {(r["form"], r["ranks"]) for r in rows} == {(f, w) for f in FORMS for w in (1, 2)}
     for r in rows:
@@ -170,7 +167,7 @@ def test_cli_quick_measurement_counts_what_the_model_predicts(tmp_path, capsys):
 
 
 def test_report_without_measurement_is_the_paper_model():
-    from secondorder.scaling import ModelAssumptions, paper_table, report
+    from benchmarks.scaling import ModelAssumptions, paper_table, report
 
     a = ModelAssumptions()
     text, out = report(None, (1, 2), a)

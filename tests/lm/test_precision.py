@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 import secondorder as so
-from secondorder.precision import GramPrecision
+from secondorder.lm.precision import GramPrecision
 
 U32 = torch.finfo(torch.float32).eps / 2
 

@@ -1,6 +1,7 @@
 """LM across processes: real gloo process groups, compared with one process.
 
-Each launch spawns 2 or 4 ranks on this machine, joined by a ``file://`` rendezvous.
+Each launch (:func:`secondorder.testing.run_ranks`) spawns 2 or 4 gloo ranks on this
+machine.
 Every rank trains the same model on its shard of one global batch (shards of
 unequal size, in rank order); the parent process runs the single-process reference
 on the concatenated batch and compares.  A launch runs every scenario at once, since
@@ -10,21 +11,32 @@ starting a Python process with torch costs more than the training itself.
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import os
-import pickle
-import tempfile
 import time
 import warnings
-from dataclasses import asdict
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from lm_cases import (
+    CASE_IDS,
+    CASES,
+    HIDDEN,
+    N_PRIMAL,
+    RTOL,
+    RTOL_FLOAT32,
+    SCENARIOS,
+    SCENARIOS_4,
+    STEPS,
+    flat,
+    global_batch,
+    info_dict,
+    model_for,
+    options_of,
+    shard,
+    train,
+)
 
 import secondorder as so
 from secondorder.distributed import (
@@ -33,85 +45,9 @@ from secondorder.distributed import (
     ProcessGroupReducer,
     resolve_reducer,
 )
+from secondorder.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
-)
-
-STEPS = 6
-HIDDEN = 5  # n = 3 * 5 + 1 = 16 parameters
-N_PRIMAL = 61  # m > n, and shards of unequal size for 2 and 4 ranks
-N_DUAL = 11  # m < n
-#: name -> (options, global batch size)
-SCENARIOS: dict[str, tuple[dict[str, Any], int]] = {
-    "primal-cholesky": ({"form": "primal", "solver": "cholesky"}, N_PRIMAL),
-    "primal-eigh-geodesic": ({"form": "primal", "solver": "eigh", "geodesic": True}, N_PRIMAL),
-    "primal-cg": ({"solver": "cg", "cg_rtol": 1e-12}, N_PRIMAL),
-    "primal-cg-geodesic": ({"solver": "cg", "cg_rtol": 1e-12, "geodesic": True}, N_PRIMAL),
-    "primal-qr": ({"form": "primal", "solver": "qr"}, N_PRIMAL),
-    "dual-cholesky": ({"form": "dual", "solver": "cholesky"}, N_DUAL),
-    "dual-eigh-geodesic": ({"form": "dual", "solver": "eigh", "geodesic": True}, N_DUAL),
-    "auto": ({}, N_PRIMAL),
-    # float32 models under gram_dtype="auto": float32 normal matrices at this λ, the
-    # dual form's precision measure computed from the gathered rows.
-    "primal-auto-float32": ({"dtype": torch.float32, "damping": 1.0}, N_PRIMAL),
-    "dual-auto-float32": ({"dtype": torch.float32, "damping": 1.0, "form": "dual"}, N_DUAL),
-}
-#: Four processes share this machine's cores, and each collective waits for all of
-#: them to be scheduled: on 4 ranks, one scenario per form.
-SCENARIOS_4 = ("primal-cholesky", "primal-cg", "dual-cholesky")
-CASES = [(2, name) for name in SCENARIOS] + [(4, name) for name in SCENARIOS_4]
-CASE_IDS = [f"{world}ranks-{name}" for world, name in CASES]
-#: The single-process run and the distributed run sum in different orders, so they
-#: agree to rounding, amplified by the conditioning of the normal equations over a few
-#: steps.  On one process, changing only the slice size (so only the order of the
-#: sums) moves the parameters of these runs by at most 3e-12 relative after 6 steps.
-RTOL = 1e-9
-#: float32 runs: the same differences of summation order, in float32 rounding.
-RTOL_FLOAT32 = 1e-4
-
-
-def model_for(seed: int, hidden: int = HIDDEN, dtype: torch.dtype = torch.float64) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(1, hidden), nn.Tanh(), nn.Linear(hidden, 1)).to(dtype)
-
-
-def options_of(name: str) -> tuple[dict[str, Any], torch.dtype, int]:
-    """The optimizer options, the model dtype and the global batch size of a scenario."""
-    options, n = SCENARIOS[name]
-    options = dict(options)
-    dtype = options.pop("dtype", torch.float64)
-    return options, dtype, n
-
-
-def global_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1234)
-    x = torch.rand(n, 1, generator=g, dtype=torch.float64) * 2 - 1
-    return x, torch.sin(2 * x)
-
-
-def shard(n: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = global_batch(n)
-    return torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def info_dict(info: so.StepInfo) -> dict[str, Any]:
-    d = asdict(info)
-    del d["timings"]
-    return d
-
-
-def train(opt: so.LevenbergMarquardt, model: nn.Module, x: Any, y: Any) -> dict[str, Any]:
-    params, infos = [], []
-    for _ in range(STEPS):
-        infos.append(info_dict(opt.step(x, y)))
-        params.append(flat(model))
-    return {"params": params, "infos": infos}
-
+pytestmark = pytest.mark.distributed
 
 # -- what each rank runs (module level, so that spawned processes can import it) ------------
 
@@ -242,60 +178,6 @@ def job_stalls(rank: int, world: int) -> dict[str, Any]:
     return job_dies(rank, world, stall=True)
 
 
-JOBS = {"train": job_train, "dies": job_dies, "stalls": job_stalls}
-
-
-def _rank_main(rank: int, world: int, init: str, job: str, out: str, timeout_s: float) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-    )
-    try:
-        result: Any = {"result": JOBS[job](rank, world)}
-    except BaseException as exc:
-        result = {"raised": f"{type(exc).__name__}: {exc}"}
-    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-    dist.destroy_process_group()
-
-
-def launch(
-    job: str,
-    world: int,
-    tmp: Path,
-    timeout_s: float = 30.0,
-    deadline_s: float = 60.0,
-    wait_for: list[int] | None = None,
-) -> dict[int, Any]:
-    """Run ``job`` on ``world`` spawned ranks; return each rank's result by rank.
-
-    Waits for the ranks in ``wait_for`` (default: all) and kills the others.
-    """
-    ctx = mp.get_context("spawn")
-    init = f"file://{tmp / 'rendezvous'}"
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, init, job, str(tmp), timeout_s))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline_s
-    waited = range(world) if wait_for is None else wait_for
-    for r in waited:
-        procs[r].join(max(0.0, end - time.monotonic()))
-    hung = [r for r in waited if procs[r].is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} of job {job!r} were still running after {deadline_s} s"
-    results = {}
-    for r in range(world):
-        path = tmp / f"rank{r}.pkl"
-        if path.exists():
-            results[r] = pickle.loads(path.read_bytes())
-    return results
-
-
 # -- the single-process reference ------------------------------------------------------------
 
 
@@ -317,12 +199,9 @@ def reference(name: str) -> dict[str, Any]:
 @functools.cache
 def trained(world: int) -> dict[int, Any]:
     """Every rank's results of ``job_train`` on ``world`` ranks (one launch per world)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        results = launch("train", world, Path(tmp))
+    results = run_ranks(job_train, world, timeout_s=30.0, deadline_s=60.0)
     assert sorted(results) == list(range(world))
-    for r, res in results.items():
-        assert "result" in res, f"rank {r} raised {res.get('raised')}"
-    return {r: res["result"] for r, res in results.items()}
+    return {r: res.value for r, res in results.items()}
 
 
 @pytest.mark.parametrize(("world", "name"), CASES, ids=CASE_IDS)
@@ -427,14 +306,13 @@ def test_mismatched_settings_and_rejected_batches_raise_on_every_rank() -> None:
 
 
 @pytest.mark.parametrize("job", ["dies", "stalls"])
-def test_a_rank_that_dies_or_stalls_mid_step_makes_the_other_fail_fast(
-    tmp_path: Path, job: str
-) -> None:
+def test_a_rank_that_dies_or_stalls_mid_step_makes_the_other_fail_fast(job: str) -> None:
     """A dead peer is noticed when its connection drops; a stalled one at the timeout."""
     timeout_s = 2.0
-    results = launch(job, 2, tmp_path, timeout_s=timeout_s, deadline_s=30.0, wait_for=[0])
+    fn = job_dies if job == "dies" else job_stalls
+    results = run_ranks(fn, 2, timeout_s=timeout_s, deadline_s=30.0, wait_for=[0])
     assert 1 not in results  # rank 1 exited, or was killed, without writing anything
-    res = results[0]["result"]
+    res = results[0].value
     assert "over the gloo process group failed on rank 0 of 2" in res["error"]
     assert "Another rank has probably died" in res["error"]
     assert res["steps"] == 1  # the first step completed on both ranks

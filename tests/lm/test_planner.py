@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import secondorder as so
-from secondorder.planner import (
+from secondorder.lm.planner import (
     DIRECT_SOLVE_LIMIT,
     MemoryPlan,
     PlanError,
@@ -34,7 +34,7 @@ from secondorder.planner import (
     plan_memory,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
 F32 = torch.float32
 

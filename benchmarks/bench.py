@@ -48,10 +48,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
+from secondorder import LevenbergMarquardt
+from secondorder.lm.linalg import gram_update
+from secondorder.lm.residuals import cross_entropy, mse
+
 from . import scaling as scaling_module
-from .linalg import gram_update
-from .lm import LevenbergMarquardt
-from .residuals import cross_entropy, mse
 
 __all__ = [
     "METHODS",
@@ -1214,7 +1215,7 @@ def _finite_or_none(obj: Any) -> Any:
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run."""
-    parts = ["python -m secondorder bench"]
+    parts = ["python -m benchmarks.bench"]
     if args.quick:
         parts.append("--quick")
     if args.tiny:
@@ -1232,8 +1233,8 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point (``python -m secondorder.bench``), same options as ``bench``."""
-    parser = argparse.ArgumentParser(prog="python -m secondorder")
+    """Entry point of ``python -m benchmarks.bench`` (from the repository's root)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(sub)
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])

@@ -9,15 +9,15 @@ import pytest
 import scipy.optimize as sopt
 import torch
 
-from secondorder.curve_fit import (
+from secondorder.fitting import (
     FitReport,
     correlation,
     covariance,
     curve_fit,
     fit_report,
+    least_squares,
     standard_errors,
 )
-from secondorder.least_squares import least_squares
 
 # Tight tolerances on both sides, so both solvers stop at the same minimum to ~1e-10
 # and the comparison measures the covariance formula, not where each one stopped.

@@ -33,11 +33,8 @@ import argparse
 import json
 import math
 import os
-import pickle
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -47,7 +44,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .distributed.process_group import ProcessGroupReducer
+from secondorder import LevenbergMarquardt
+from secondorder.distributed import LocalReducer, ProcessGroupReducer
+from secondorder.testing import run_ranks
 
 __all__ = [
     "FORMS",
@@ -283,19 +282,19 @@ class CountingReducer(ProcessGroupReducer):
         out, self._tally = self._tally, Traffic()
         return out
 
-    def sum_(self, tensors: Sequence[Tensor]) -> None:  # noqa: D102
+    def sum_(self, tensors: Sequence[Tensor]) -> None:
         if self.world_size > 1:
             size = sum(t.numel() * t.element_size() for t in tensors)
             self._tally += Traffic(allreduce=size, allreduce_calls=1)
         super().sum_(tensors)
 
-    def broadcast_(self, tensors: Sequence[Tensor]) -> None:  # noqa: D102
+    def broadcast_(self, tensors: Sequence[Tensor]) -> None:
         if self.world_size > 1:
             size = sum(t.numel() * t.element_size() for t in tensors)
             self._tally += Traffic(broadcast=size, broadcast_calls=1)
         super().broadcast_(tensors)
 
-    def gather_rows(self, tensor: Tensor) -> Tensor:  # noqa: D102
+    def gather_rows(self, tensor: Tensor) -> Tensor:
         if self.world_size > 1:
             self._tally += Traffic(allreduce=2 * self.world_size * 8, allreduce_calls=1)
             self._tally += Traffic(
@@ -303,7 +302,7 @@ class CountingReducer(ProcessGroupReducer):
             )
         return super().gather_rows(tensor)
 
-    def check_agree(self, settings: Mapping[str, Any], what: str) -> None:  # noqa: D102
+    def check_agree(self, settings: Mapping[str, Any], what: str) -> None:
         super().check_agree(settings, what)  # construction only: not a step's traffic
 
 
@@ -355,9 +354,6 @@ def run_form(
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``problem`` for its steps in ``form`` on this rank's shard; time and count."""
-    from .distributed import LocalReducer
-    from .lm import LevenbergMarquardt
-
     options: dict[str, Any] = {"jacobian": "reverse", **FORMS[form]}
     if form == "cg":
         options["cg_max_iter"] = problem.cg_max_iter
@@ -396,34 +392,16 @@ def run_form(
     return record
 
 
-def _worker(argv: Sequence[str]) -> None:
-    """A rank of a measurement: ``rank world init_file out_dir job_json``."""
-    import datetime
-
-    import torch.distributed as dist
-
-    rank, world = int(argv[0]), int(argv[1])
-    init, out, job = argv[2], Path(argv[3]), json.loads(argv[4])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=float(job.get("timeout", 120))),
-    )
-    try:
-        problem = Problem(**job["problem"])
-        reducer = CountingReducer()
-        results = [
-            run_form(problem, form, rank, world, reducer, job.get("extra", {}).get(form))
-            for form in job["forms"]
-        ]
-        payload: dict[str, Any] = {"result": results}
-    except BaseException as exc:
-        payload = {"raised": f"{type(exc).__name__}: {exc}"}
-    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(payload))
-    dist.destroy_process_group()
+def rank_job(
+    rank: int,
+    world: int,
+    problem: Problem,
+    forms: Sequence[str],
+    extra: Mapping[str, Mapping[str, Any]],
+) -> list[dict[str, Any]]:
+    """What one rank of a measurement runs (under :func:`secondorder.testing.run_ranks`)."""
+    reducer = CountingReducer()
+    return [run_form(problem, form, rank, world, reducer, extra.get(form)) for form in forms]
 
 
 def launch(
@@ -434,41 +412,19 @@ def launch(
     extra: Mapping[str, Mapping[str, Any]] | None = None,
     deadline_s: float = 600.0,
 ) -> dict[int, list[dict[str, Any]]]:
-    """Run ``forms`` of ``problem`` on ``world`` gloo ranks (new processes); results by rank."""
-    job = json.dumps({"problem": asdict(problem), "forms": list(forms), "extra": extra or {}})
-    code = "import sys; from secondorder.scaling import _worker; _worker(sys.argv[1:])"
-    with tempfile.TemporaryDirectory() as tmp:
-        init = Path(tmp) / "rendezvous"
-        env = dict(os.environ)
-        # Each rank runs one thread, as one rank per core or per GPU would.
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", code, str(r), str(world), str(init), tmp, job], env=env
-            )
-            for r in range(world)
-        ]
-        end = time.monotonic() + deadline_s
-        try:
-            for p in procs:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-                p.wait()
-            raise RuntimeError(f"the {world}-rank measurement ran past {deadline_s} s") from None
-        results = {}
-        for r in range(world):
-            path = Path(tmp) / f"rank{r}.pkl"
-            if not path.exists():
-                raise RuntimeError(
-                    f"rank {r} of {world} wrote no result (exit {procs[r].returncode})"
-                )
-            payload = pickle.loads(path.read_bytes())
-            if "raised" in payload:
-                raise RuntimeError(f"rank {r} of {world} raised {payload['raised']}")
-            results[r] = payload["result"]
-    return results
+    """Run ``forms`` of ``problem`` on ``world`` gloo ranks (new processes); results by rank.
+
+    Each rank runs one torch thread, as one rank per core or per GPU would.
+    """
+    results = run_ranks(
+        rank_job,
+        world,
+        args=(problem, tuple(forms), dict(extra or {})),
+        timeout_s=120.0,
+        deadline_s=deadline_s,
+        threads=1,
+    )
+    return {r: res.value for r, res in results.items()}
 
 
 def measure(
@@ -617,3 +573,16 @@ def run_scaling(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m benchmarks.scaling`` (from the repository's root)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_scaling_parser(sub)
+    args = parser.parse_args(["scaling", *(sys.argv[1:] if argv is None else argv)])
+    return run_scaling(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -24,12 +24,11 @@ from torch import Tensor, nn
 from torch.func import jvp, vjp
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..distributed import Reducer, resolve_reducer
+from ..distributed.devices import DeviceGroup, replicate_module, resolve_devices, sync_replica
 from .backends import make_backend_solver
 from .config import LMConfig
 from .damping import DampingState, make_damping_matrix, make_damping_rule
-from .distributed import Reducer, resolve_reducer
-from .distributed.devices import DeviceGroup, replicate_module, resolve_devices, sync_replica
-from .distributed.solve import BroadcastSolver, ShardedCGSolver, ShardedNormalEquations
 from .engine import EngineConfig, iterate
 from .jacobian import JacobianStrategy, ResidualProgram, linear_layers, make_jacobian
 from .linalg import LinearSolver, NormalEquations, gram_update, make_solver
@@ -42,6 +41,7 @@ from .planner import (
 )
 from .precision import GramPrecision
 from .residuals import ModelResidual, mse
+from .sharded import BroadcastSolver, ShardedCGSolver, ShardedNormalEquations
 
 __all__ = ["LevenbergMarquardt", "StepInfo"]
 

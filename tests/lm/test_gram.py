@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from secondorder.linalg import gram_blocks, gram_update
+from secondorder.lm.linalg import gram_blocks, gram_update
 
 
 @pytest.mark.parametrize("n", [7, 255, 600, 1100])

@@ -31,15 +31,15 @@ import torch
 from torch import Tensor
 from torch.func import jacfwd, jacrev
 
-from .damping import (
+from ..lm.damping import (
     DAMPING_MATRICES,
     DAMPING_RULES,
     DampingState,
     make_damping_matrix,
     make_damping_rule,
 )
-from .engine import EngineConfig, iterate
-from .linalg import NormalEquations, make_solver
+from ..lm.engine import EngineConfig, iterate
+from ..lm.linalg import NormalEquations, make_solver
 
 __all__ = ["LOSSES", "OptimizeResult", "least_squares"]
 

@@ -34,8 +34,8 @@ from typing import IO, Any
 import torch
 from torch import Tensor, nn
 
-from .lm import LevenbergMarquardt, StepInfo
-from .residuals import ModelResidual
+from ..lm.optimizer import LevenbergMarquardt, StepInfo
+from ..lm.residuals import ModelResidual
 
 __all__ = [
     "CSVLogger",

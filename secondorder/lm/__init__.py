@@ -1,0 +1,32 @@
+"""Levenberg-Marquardt: damped Gauss-Newton steps with explicit Jacobians.
+
+:class:`LevenbergMarquardt` solves ``(JᵀJ + λD)δ = -Jᵀr`` (or its dual form) each step.
+Its parts, one module each: :mod:`~secondorder.lm.residuals` (losses as residuals),
+:mod:`~secondorder.lm.jacobian` (how J's rows are computed), :mod:`~secondorder.lm.linalg`
+(the normal-equation record and solvers, factor once, solve many),
+:mod:`~secondorder.lm.backends` (the same solvers over NumPy or cuPyNumeric),
+:mod:`~secondorder.lm.damping` (rules for λ and the matrix D),
+:mod:`~secondorder.lm.precision` (the Gram's dtype), :mod:`~secondorder.lm.planner`
+(memory), :mod:`~secondorder.lm.engine` (the attempts of one iteration) and
+:mod:`~secondorder.lm.sharded` (solvers whose products are summed across ranks).
+"""
+
+from . import damping, jacobian, linalg, planner, residuals
+from .config import LMConfig
+from .optimizer import LevenbergMarquardt, StepInfo
+from .planner import MemoryPlan, PlanError
+from .residuals import ModelResidual
+
+__all__ = [
+    "LMConfig",
+    "LevenbergMarquardt",
+    "MemoryPlan",
+    "ModelResidual",
+    "PlanError",
+    "StepInfo",
+    "damping",
+    "jacobian",
+    "linalg",
+    "planner",
+    "residuals",
+]

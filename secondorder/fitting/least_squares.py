@@ -21,7 +21,6 @@ reached exactly; the reported ``jac``, ``grad`` and ``optimality`` are those of 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.func import jacfwd, jacrev
 
+from .._validation import check_choice, check_integer, check_number
 from ..lm.damping import (
     DAMPING_MATRICES,
     DAMPING_RULES,
@@ -391,13 +391,6 @@ def _finite_system(system: NormalEquations) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in parts)
 
 
-def _check_positive(name: str, value: float, allow_zero: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        req = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"Invalid {name}={value!r}: must be a finite number {req}.")
-
-
 def least_squares(
     fun: Callable[..., Any],
     x0: Any,
@@ -481,30 +474,17 @@ def least_squares(
     if not bool(torch.isfinite(x_start).all()):
         raise ValueError(f"x0 must be finite, got {x_start.tolist()}")
     n = x_start.numel()
-    if not (callable(jac) or jac in JACS):
-        raise ValueError(f"Unknown jac={jac!r}; valid choices are {JACS} or a callable.")
-    if loss not in LOSSES:
-        raise ValueError(f"Unknown loss={loss!r}; valid choices are {LOSSES}.")
-    _check_positive("f_scale", f_scale, allow_zero=False)
+    if not callable(jac):
+        check_choice("jac", jac, JACS, extra=" or a callable")
+    check_choice("loss", loss, LOSSES)
+    check_number("f_scale", f_scale, above=0, type_error=False)
     for name, tol in (("ftol", ftol), ("xtol", xtol), ("gtol", gtol)):
-        _check_positive(name, tol)
-    if max_nfev is not None and (
-        isinstance(max_nfev, bool) or not isinstance(max_nfev, numbers.Integral) or max_nfev < 1
-    ):
-        raise ValueError(f"Invalid max_nfev={max_nfev!r}: must be an integer >= 1 or None.")
-    if damping_rule not in DAMPING_RULES:
-        raise ValueError(
-            f"Unknown damping_rule={damping_rule!r}; valid choices are {DAMPING_RULES}."
-        )
-    if damping_matrix not in DAMPING_MATRICES:
-        raise ValueError(
-            f"Unknown damping_matrix={damping_matrix!r}; valid choices are {DAMPING_MATRICES}."
-        )
-    if solver not in ("cholesky", "eigh", "qr", "cg"):
-        raise ValueError(
-            f"Unknown solver={solver!r}; valid choices are ('cholesky', 'eigh', 'qr', 'cg')."
-        )
-    _check_positive("damping", damping)
+        check_number(name, tol, at_least=0, type_error=False)
+    check_integer("max_nfev", max_nfev, allow_none=True)
+    check_choice("damping_rule", damping_rule, DAMPING_RULES)
+    check_choice("damping_matrix", damping_matrix, DAMPING_MATRICES)
+    check_choice("solver", solver, ("cholesky", "eigh", "qr", "cg"))
+    check_number("damping", damping, at_least=0, type_error=False)
     lb, ub = _as_bounds(bounds, n)
     if bool(((x_start < lb) | (x_start > ub)).any()):
         raise ValueError(

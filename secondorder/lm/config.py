@@ -6,56 +6,24 @@ field's name, the value and what is allowed, before any model is touched.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from .._validation import (
+    check_choice,
+    check_integer,
+    check_number,
+    check_open_unit,
+)
 from .backends import BACKEND_SOLVERS, LINALG_BACKENDS, array_module
-from .damping import DAMPING_MATRICES, DAMPING_RULES
+from .damping import DAMPING_MATRICES, DAMPING_RULES, check_damping_factors
 from .jacobian import JACOBIANS
 from .linalg import SOLVERS
 
 __all__ = ["FORMS", "LMConfig"]
 
 FORMS = ("auto", "primal", "dual")
-
-
-def _positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"Invalid {name}={value!r}: must be a finite number > 0.")
-
-
-def _nonnegative(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"Invalid {name}={value!r}: must be a finite number >= 0.")
-
-
-def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"Unknown {name}={value!r}; valid choices are {choices}.")
-
-
-def _open_unit(name: str, value: object, allow_none: bool = False) -> None:
-    """A number strictly between 0 and 1 (or None where ``allow_none``)."""
-    if value is None and allow_none:
-        return
-    what = "None or a number" if allow_none else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name}={value!r}: must be {what} in (0, 1).")
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"Invalid {name}={value!r}: must be {what} in (0, 1).")
-
-
-def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1.")
 
 
 @dataclass(frozen=True)
@@ -145,38 +113,29 @@ class LMConfig:
     linalg_backend: str = "torch"
 
     def __post_init__(self) -> None:
-        _positive("lr", self.lr)
-        _nonnegative("damping", self.damping)
-        _choice("damping_rule", self.damping_rule, DAMPING_RULES)
-        if not (
-            isinstance(self.damping_up, (int, float))
-            and self.damping_up > 1
-            and math.isfinite(self.damping_up)
-        ):
-            raise ValueError(
-                f"Invalid damping_up={self.damping_up!r}: must be a finite number > 1."
-            )
-        if not (isinstance(self.damping_down, (int, float)) and 0 < self.damping_down < 1):
-            raise ValueError(f"Invalid damping_down={self.damping_down!r}: must be in (0, 1).")
-        _choice("damping_matrix", self.damping_matrix, DAMPING_MATRICES)
-        _positive("damping_min", self.damping_min)
-        _positive("damping_max", self.damping_max)
+        check_number("lr", self.lr, above=0)
+        check_number("damping", self.damping, at_least=0)
+        check_choice("damping_rule", self.damping_rule, DAMPING_RULES)
+        check_damping_factors(self.damping_up, self.damping_down)
+        check_choice("damping_matrix", self.damping_matrix, DAMPING_MATRICES)
+        check_number("damping_min", self.damping_min, above=0)
+        check_number("damping_max", self.damping_max, above=0)
         if self.damping_min >= self.damping_max:
             raise ValueError(
                 f"Invalid damping_min={self.damping_min!r} >= damping_max={self.damping_max!r}."
             )
-        _choice("jacobian", self.jacobian, JACOBIANS)
-        _choice("solver", self.solver, SOLVERS)
-        _choice("form", self.form, FORMS)
+        check_choice("jacobian", self.jacobian, JACOBIANS)
+        check_choice("solver", self.solver, SOLVERS)
+        check_choice("form", self.form, FORMS)
         if self.solver == "cg" and self.form == "dual":
             raise ValueError("Invalid solver='cg' with form='dual': CG solves the primal form.")
-        _positive_int("max_attempts", self.max_attempts)
-        _positive_int("slice_size", self.slice_size, allow_none=True)
-        _positive_int("memory_budget", self.memory_budget)
-        _positive_int("memory_limit", self.memory_limit, allow_none=True)
+        check_integer("max_attempts", self.max_attempts)
+        check_integer("slice_size", self.slice_size, allow_none=True)
+        check_integer("memory_budget", self.memory_budget)
+        check_integer("memory_limit", self.memory_limit, allow_none=True)
         if not isinstance(self.geodesic, bool):
             raise TypeError(f"geodesic must be a bool, got {self.geodesic!r}")
-        _positive("geodesic_alpha", self.geodesic_alpha)
+        check_number("geodesic_alpha", self.geodesic_alpha, above=0)
         if isinstance(self.min_gain_ratio, bool) or not isinstance(
             self.min_gain_ratio, (int, float)
         ):
@@ -186,7 +145,7 @@ class LMConfig:
         if not (0.0 <= self.min_gain_ratio < 1.0):
             raise ValueError(f"Invalid min_gain_ratio={self.min_gain_ratio!r}: must be in [0, 1).")
         for name in ("ftol", "xtol", "gtol"):
-            _nonnegative(name, getattr(self, name))
+            check_number(name, getattr(self, name), at_least=0)
         if not (
             self.gram_dtype is None
             or self.gram_dtype == "auto"
@@ -196,11 +155,11 @@ class LMConfig:
                 f"Invalid gram_dtype={self.gram_dtype!r}: must be 'auto', None, "
                 "torch.float32 or torch.float64."
             )
-        _open_unit("gram_auto_tol", self.gram_auto_tol)
-        _positive("cg_rtol", self.cg_rtol)
-        _positive_int("cg_max_iter", self.cg_max_iter, allow_none=True)
-        _open_unit("cg_forcing", self.cg_forcing, allow_none=True)
-        _choice("linalg_backend", self.linalg_backend, LINALG_BACKENDS)
+        check_open_unit("gram_auto_tol", self.gram_auto_tol)
+        check_number("cg_rtol", self.cg_rtol, above=0)
+        check_integer("cg_max_iter", self.cg_max_iter, allow_none=True)
+        check_open_unit("cg_forcing", self.cg_forcing, allow_none=True)
+        check_choice("linalg_backend", self.linalg_backend, LINALG_BACKENDS)
         if self.linalg_backend != "torch":
             if self.solver not in BACKEND_SOLVERS:
                 raise ValueError(

@@ -11,11 +11,12 @@ and a *damping matrix* decides the shape of the trust region.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .._validation import check_choice, check_number
 
 __all__ = [
     "DAMPING_MATRICES",
@@ -28,6 +29,7 @@ __all__ = [
     "MoreMatrix",
     "MultiplicativeRule",
     "NielsenRule",
+    "check_damping_factors",
     "make_damping_matrix",
     "make_damping_rule",
 ]
@@ -82,10 +84,7 @@ class MultiplicativeRule(DampingRule):
     name = "multiplicative"
 
     def __init__(self, up: float = 10.0, down: float = 0.1) -> None:
-        if not (up > 1.0 and math.isfinite(up)):
-            raise ValueError(f"damping_up must be a finite number > 1, got {up!r}")
-        if not (0.0 < down < 1.0):
-            raise ValueError(f"damping_down must be in (0, 1), got {down!r}")
+        check_damping_factors(up, down)
         self.up = float(up)
         self.down = float(down)
 
@@ -99,13 +98,21 @@ class MultiplicativeRule(DampingRule):
 DAMPING_RULES = ("nielsen", "multiplicative")
 
 
+def check_damping_factors(up: object, down: object) -> None:
+    """The multiplicative rule's factors: ``up`` a finite number > 1, ``down`` in (0, 1)."""
+    check_number("damping_up", up, above=1, type_error=False)
+    if not (isinstance(down, (int, float)) and not isinstance(down, bool) and 0 < down < 1):
+        raise ValueError(f"Invalid damping_down={down!r}: must be in (0, 1).")
+
+
 def make_damping_rule(name: str, up: float = 10.0, down: float = 0.1) -> DampingRule:
     """Build the damping rule called ``name`` (one of :data:`DAMPING_RULES`)."""
     if name == "nielsen":
         return NielsenRule()
     if name == "multiplicative":
         return MultiplicativeRule(up, down)
-    raise ValueError(f"Unknown damping_rule={name!r}; valid choices are {DAMPING_RULES}.")
+    check_choice("damping_rule", name, DAMPING_RULES)
+    raise AssertionError(name)  # pragma: no cover - check_choice raised
 
 
 class DampingMatrix:
@@ -217,4 +224,5 @@ def make_damping_matrix(name: str, floor: float = 1e-9) -> DampingMatrix:
         return MarquardtMatrix(floor)
     if name == "more":
         return MoreMatrix(floor)
-    raise ValueError(f"Unknown damping_matrix={name!r}; valid choices are {DAMPING_MATRICES}.")
+    check_choice("damping_matrix", name, DAMPING_MATRICES)
+    raise AssertionError(name)  # pragma: no cover - check_choice raised

@@ -65,6 +65,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from .._validation import check_integer
+
 __all__ = [
     "DIRECT_SOLVE_LIMIT",
     "USABLE_FRACTION",
@@ -461,13 +463,6 @@ def _estimate(
 # The plan
 
 
-def _check(name: str, value: object, lo: int = 1, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"Invalid {name}={value!r}: must be an integer >= {lo}.")
-
-
 def plan_memory(
     *,
     parameters: int,
@@ -521,15 +516,15 @@ def plan_memory(
         beyond), moved to the other form or to CG only when that choice does not fit.
         A plan with ``fits=False`` carries ``advice``.
     """
-    _check("parameters", parameters)
-    _check("samples", samples)
-    _check("rows", rows)
-    _check("rows_total", rows_total, allow_none=True)
-    _check("slice_size", slice_size, allow_none=True)
-    _check("memory_budget", memory_budget)
-    _check("available", available, lo=0, allow_none=True)
-    _check("activations", activations, lo=0)
-    _check("world_size", world_size)
+    check_integer("parameters", parameters)
+    check_integer("samples", samples)
+    check_integer("rows", rows)
+    check_integer("rows_total", rows_total, allow_none=True)
+    check_integer("slice_size", slice_size, allow_none=True)
+    check_integer("memory_budget", memory_budget)
+    check_integer("available", available, minimum=0, allow_none=True)
+    check_integer("activations", activations, minimum=0)
+    check_integer("world_size", world_size)
     if solver not in _SOLVERS:
         raise ValueError(f"Unknown solver={solver!r}; valid choices are {_SOLVERS}.")
     if form not in _FORMS:

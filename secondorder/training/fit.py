@@ -34,6 +34,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor, nn
 
+from .._validation import check_integer
 from ..lm.optimizer import LevenbergMarquardt, StepInfo
 from ..lm.residuals import ModelResidual
 
@@ -596,14 +597,6 @@ def _validator(
 # The loop
 
 
-def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        more = " or None" if allow_none else ""
-        raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1{more}.")
-
-
 def _as_optimizer(optimizer: Any) -> LevenbergMarquardt:
     if isinstance(optimizer, LevenbergMarquardt):
         return optimizer
@@ -677,8 +670,8 @@ def fit(
         A :class:`History` of every step and epoch, with ``stop_reason``.
     """
     opt = _as_optimizer(optimizer)
-    _positive_int("epochs", epochs)
-    _positive_int("patience", patience, allow_none=True)
+    check_integer("epochs", epochs)
+    check_integer("patience", patience, allow_none=True)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {progress!r}")
     if mode not in MODES:

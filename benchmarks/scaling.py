@@ -1,6 +1,6 @@
 """How each form of the LM step scales across processes: measured, and on paper.
 
-``python -m secondorder scaling`` does two things.
+``python -m benchmarks.scaling`` does two things.
 
 **Measures** seconds per step of one fixed problem (strong scaling: the global batch
 is split over the ranks) on 1, 2 and 4 gloo processes on this machine's CPU, for
@@ -36,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,10 +55,13 @@ __all__ = [
     "Traffic",
     "add_scaling_parser",
     "comm_seconds",
+    "launch_ranks",
     "measure",
+    "measure_worlds",
     "paper_table",
     "run_scaling",
     "step_flops",
+    "step_summary",
     "step_traffic",
 ]
 
@@ -404,6 +407,53 @@ def rank_job(
     return [run_form(problem, form, rank, world, reducer, extra.get(form)) for form in forms]
 
 
+def launch_ranks(
+    job: Callable[..., Any],
+    world: int,
+    args: Sequence[Any] = (),
+    *,
+    deadline_s: float = 600.0,
+) -> dict[int, Any]:
+    """``job(rank, world, *args)`` on ``world`` gloo ranks (new processes); values by rank.
+
+    Each rank runs one torch thread, as one rank per core or per GPU would.  ``job``
+    must be a module-level function (spawned processes import it by name); any
+    family's per-rank job fits, typically one that builds its optimizer on a
+    :class:`CountingReducer` and returns each step's seconds and ``asdict(reducer.take())``
+    for :func:`step_summary`.
+    """
+    results = run_ranks(
+        job, world, args=tuple(args), timeout_s=120.0, deadline_s=deadline_s, threads=1
+    )
+    return {r: res.value for r, res in results.items()}
+
+
+def measure_worlds(
+    job: Callable[..., Any],
+    worlds: Sequence[int] = (1, 2, 4),
+    args: Sequence[Any] = (),
+    *,
+    deadline_s: float = 600.0,
+) -> dict[int, dict[int, Any]]:
+    """:func:`launch_ranks` for each world size; values by world size, then by rank."""
+    return {world: launch_ranks(job, world, args, deadline_s=deadline_s) for world in worlds}
+
+
+def step_summary(
+    seconds: Sequence[float], traffic: Sequence[Mapping[str, int]]
+) -> dict[str, float]:
+    """Median seconds per step after the first, and mean counted bytes per step.
+
+    The first step is left out of the timing when there are others (it includes one-off
+    work such as building the Jacobian program); ``traffic`` holds one
+    ``asdict(Traffic)`` per step, as :meth:`CountingReducer.take` gives them.
+    """
+    steps = len(seconds)
+    secs = seconds[1:] or seconds
+    bytes_ = [t["allreduce"] + t["broadcast"] + t["allgather"] for t in traffic]
+    return {"s_per_step": statistics.median(secs), "bytes_per_step": sum(bytes_) / steps}
+
+
 def launch(
     world: int,
     problem: Problem,
@@ -412,37 +462,24 @@ def launch(
     extra: Mapping[str, Mapping[str, Any]] | None = None,
     deadline_s: float = 600.0,
 ) -> dict[int, list[dict[str, Any]]]:
-    """Run ``forms`` of ``problem`` on ``world`` gloo ranks (new processes); results by rank.
-
-    Each rank runs one torch thread, as one rank per core or per GPU would.
-    """
-    results = run_ranks(
-        rank_job,
-        world,
-        args=(problem, tuple(forms), dict(extra or {})),
-        timeout_s=120.0,
-        deadline_s=deadline_s,
-        threads=1,
+    """Run ``forms`` of ``problem`` on ``world`` gloo ranks (new processes); results by rank."""
+    return launch_ranks(
+        rank_job, world, (problem, tuple(forms), dict(extra or {})), deadline_s=deadline_s
     )
-    return {r: res.value for r, res in results.items()}
 
 
 def measure(
     problem: Problem, worlds: Sequence[int] = (1, 2, 4), forms: Sequence[str] = tuple(FORMS)
 ) -> list[dict[str, Any]]:
-    """Seconds per step and bytes per step for each world size and form.
+    """Seconds per step and bytes per step for each world size and form (rank 0's).
 
-    The first step of each run is left out of the timing (it includes one-off
-    work such as building the Jacobian program); the median of the others, on rank
-    0, is reported.
+    The first step of each run is left out of the timing (:func:`step_summary`).
     """
     rows = []
-    for world in worlds:
-        results = launch(world, problem, forms)
+    for world, results in measure_worlds(rank_job, worlds, (problem, tuple(forms), {})).items():
         for rec in results[0]:
-            secs = rec["seconds"][1:] or rec["seconds"]
             steps = len(rec["seconds"])
-            bytes_ = [t["allreduce"] + t["broadcast"] + t["allgather"] for t in rec["traffic"]]
+            summary = step_summary(rec["seconds"], rec["traffic"])
             model = [
                 step_traffic(rec["form"], rec["n"], rec["rows"], world, attempts=a, cg_iterations=k)
                 for a, k in zip(rec["attempts"], rec["cg_iterations"], strict=True)
@@ -453,10 +490,10 @@ def measure(
                     "ranks": world,
                     "n": rec["n"],
                     "m": rec["samples"],
-                    "s_per_step": statistics.median(secs),
+                    "s_per_step": summary["s_per_step"],
                     "attempts_per_step": sum(rec["attempts"]) / steps,
                     "cg_iterations_per_step": sum(rec["cg_iterations"]) / steps,
-                    "bytes_per_step": sum(bytes_) / steps,
+                    "bytes_per_step": summary["bytes_per_step"],
                     "model_bytes_per_step": sum(
                         t.allreduce + t.broadcast + t.allgather for t in model
                     )

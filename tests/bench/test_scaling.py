@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -178,3 +179,40 @@ def test_report_without_measurement_is_the_paper_model():
     assert len(rows) == len(out["model"]["rows"])
     for line, row in zip(rows, out["model"]["rows"], strict=True):
         assert line.startswith(f"| {row['problem']} | {row['form']} | {row['ranks']} |")
+
+
+def count_one_sum(rank: int, world: int, size: int) -> dict[str, Any]:
+    """A family-agnostic per-rank job: one counted all-reduce of ``size`` float64."""
+    from dataclasses import asdict
+
+    from benchmarks.scaling import CountingReducer
+
+    reducer = CountingReducer()
+    t = torch.full((size,), float(rank + 1), dtype=torch.float64)
+    reducer.take()
+    reducer.sum_([t])
+    return {"value": t, "seconds": [0.0], "traffic": [asdict(reducer.take())]}
+
+
+@gloo
+def test_measure_worlds_runs_any_job_and_counts_its_bytes():
+    from benchmarks.scaling import measure_worlds
+
+    out = measure_worlds(count_one_sum, (2,), (10,), deadline_s=120)
+    assert sorted(out) == [2] and sorted(out[2]) == [0, 1]
+    # The all-reduced value equals the sum a single process computes over the ranks' parts.
+    for world, by_rank in out.items():
+        expected = torch.full((10,), float(sum(range(1, world + 1))), dtype=torch.float64)
+        for rec in by_rank.values():
+            assert torch.equal(rec["value"], expected)
+    for rank in (0, 1):
+        assert out[2][rank]["traffic"] == [asdict(Traffic(allreduce=80, allreduce_calls=1))]
+
+
+def test_step_summary_leaves_out_the_first_step_and_averages_the_bytes():
+    from benchmarks.scaling import step_summary
+
+    traffic = [asdict(Traffic(allreduce=100, broadcast=20)), asdict(Traffic(allgather=40))]
+    s = step_summary([9.0, 1.0, 3.0], [*traffic, asdict(Traffic())])
+    assert s == {"s_per_step": 2.0, "bytes_per_step": 160 / 3}
+    assert step_summary([5.0], traffic[:1])["s_per_step"] == 5.0

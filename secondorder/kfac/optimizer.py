@@ -55,8 +55,6 @@ class KFACOptimizer(torch.optim.SGD):
         max_damping: float = 1e8,
         **kfac_kwargs: Any,
     ) -> None:
-        if "lr" in kfac_kwargs:
-            raise ValueError("pass lr once, as KFACOptimizer(model, lr=...); the KL clip uses it")
         self.rule = (
             LMDampingRule(
                 damping_adaptation_interval, damping_adaptation_decay, min_damping, max_damping

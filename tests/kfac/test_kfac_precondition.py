@@ -175,7 +175,8 @@ def test_functional_use_of_a_layer_is_named_before_anything_changes() -> None:
     before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     with pytest.raises(
         RuntimeError,
-        match=r"K-FAC layer 'fc' \(Linear\) has a gradient but its forward hook did not fire.*skip_layers=\['fc'\]",
+        match=r"K-FAC layer 'fc' \(Linear\) has a gradient but its forward hook did not "
+        r"fire.*skip_layers=\['fc'\]",
     ):
         k.step()
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))

@@ -74,7 +74,7 @@ def test_model_without_supported_layers() -> None:
         KFAC(nn.Sequential(nn.LayerNorm(3)))
     with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
         KFAC(nn.Sequential(nn.Linear(2, 2)), skip_layers=["linear"])
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got str"):
         KFAC("model")  # type: ignore[arg-type]
 
 

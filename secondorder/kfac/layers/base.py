@@ -154,6 +154,12 @@ class KFACLayer:
             }
         return [self.inv[k] for k in sorted(shapes)]
 
+    def _contiguous(self) -> None:
+        # eigh returns column-major eigenvectors; a rank that receives them by broadcast
+        # holds row-major copies, and BLAS may round a product differently for the two
+        # layouts.  One layout everywhere keeps the ranks bitwise equal.
+        self.inv = {k: v.contiguous() for k, v in self.inv.items()}
+
     def params(self) -> list[nn.Parameter]:
         """The parameters this layer preconditions (weight, then bias if any)."""
         out = [self.module.weight]
@@ -206,6 +212,7 @@ class KroneckerLayer(KFACLayer):
                 "A_inv": torch.linalg.inv(self.A.to(dtype) + damping * eye_a),
                 "G_inv": torch.linalg.inv(self.G.to(dtype) + damping * eye_g),
             }
+        self._contiguous()
 
     def precondition(self, grad: Tensor, method: str, damping: float) -> Tensor:  # noqa: D102
         inv = self.inv

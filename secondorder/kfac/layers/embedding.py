@@ -84,6 +84,7 @@ class EmbeddingLayer(KFACLayer):
                 "A_inv": 1.0 / (self.A.to(dtype) + damping),
                 "G_inv": torch.linalg.inv(self.G.to(dtype) + damping * eye),
             }
+        self._contiguous()
 
     def precondition(self, grad: Tensor, method: str, damping: float) -> Tensor:  # noqa: D102
         inv = self.inv

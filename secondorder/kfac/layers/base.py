@@ -96,12 +96,11 @@ class KFACLayer:
         self, a_sum: Tensor, a_rows: float, g_sum: Tensor, g_samples: float, decay: float
     ) -> None:
         """Fold the (rank-summed) statistics into the running factors."""
-        a_new = a_sum / a_rows
-        g_new = g_sum / g_samples
         if self.A is None or self.G is None:
             self.A, self.G = self.identity_factors()
-        self.A = decay * self.A + (1.0 - decay) * a_new
-        self.G = decay * self.G + (1.0 - decay) * g_new
+        # in place: the factors of a wide layer are megabytes, written once per update
+        self.A = self.A.mul_(decay).add_(a_sum, alpha=(1.0 - decay) / a_rows)
+        self.G = self.G.mul_(decay).add_(g_sum, alpha=(1.0 - decay) / g_samples)
 
     # -- subclass interface ------------------------------------------------------------
     def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -180,6 +179,18 @@ def _sym_eigh(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return d.clamp(min=0.0), q
 
 
+def spd_inverse(m: Tensor) -> Tensor:
+    """Inverse of a symmetric positive definite (batch of) matrix by Cholesky.
+
+    Half the flops of an LU inverse; a factor that rounding made indefinite falls back
+    to ``torch.linalg.inv``.
+    """
+    chol, info = torch.linalg.cholesky_ex(m)
+    if bool((info != 0).any()):
+        return torch.linalg.inv(m)
+    return torch.cholesky_inverse(chol)
+
+
 class KroneckerLayer(KFACLayer):
     """A layer with dense factors ``A: (groups, i, i)`` and ``G: (groups, o, o)``."""
 
@@ -209,8 +220,8 @@ class KroneckerLayer(KFACLayer):
             eye_a = torch.eye(self.A.shape[-1], dtype=dtype, device=self.device)
             eye_g = torch.eye(self.G.shape[-1], dtype=dtype, device=self.device)
             self.inv = {
-                "A_inv": torch.linalg.inv(self.A.to(dtype) + damping * eye_a),
-                "G_inv": torch.linalg.inv(self.G.to(dtype) + damping * eye_g),
+                "A_inv": spd_inverse(self.A.to(dtype) + damping * eye_a),
+                "G_inv": spd_inverse(self.G.to(dtype) + damping * eye_g),
             }
         self._contiguous()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import KFACLayer, _sym_eigh
+from .base import KFACLayer, _sym_eigh, spd_inverse
 
 __all__ = ["EmbeddingLayer"]
 
@@ -82,7 +82,7 @@ class EmbeddingLayer(KFACLayer):
             eye = torch.eye(self.dim, dtype=dtype, device=self.device)
             self.inv = {
                 "A_inv": 1.0 / (self.A.to(dtype) + damping),
-                "G_inv": torch.linalg.inv(self.G.to(dtype) + damping * eye),
+                "G_inv": spd_inverse(self.G.to(dtype) + damping * eye),
             }
         self._contiguous()
 

@@ -251,7 +251,8 @@ class KFAC:
 
     def _forward_hook(self, layer: KFACLayer) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if not self._capturing or not torch.is_grad_enabled():
+            # evaluation (eval mode or no_grad) must not leak into the factors
+            if not self._capturing or not module.training or not torch.is_grad_enabled():
                 return
             with torch.no_grad():
                 layer.add_a(inputs[0])

@@ -267,3 +267,23 @@ def test_kfac_optimizer_equals_kfac_then_sgd() -> None:
         sgd.step()
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_evaluation_forwards_do_not_touch_the_factors() -> None:
+    x, y = batch()
+    ref = Mixed().to(DT)
+    k_ref = KFAC(ref, inv_dtype=DT)
+    loss_of(ref, x, y).backward()
+    k_ref.step()
+    model = Mixed().to(DT)
+    k = KFAC(model, inv_dtype=DT)
+    model.eval()
+    model(batch(seed=5)[0])  # eval mode, grad enabled
+    model.train()
+    with torch.no_grad():
+        model(batch(seed=6)[0])
+    loss_of(model, x, y).backward()
+    k.step()
+    for name in k.layers:
+        assert torch.equal(k.layers[name].A, k_ref.layers[name].A)
+        assert torch.equal(k.layers[name].G, k_ref.layers[name].G)

@@ -71,9 +71,12 @@ class KFAC:
     ``N`` (``loss_reduction="mean"``; with accumulation the loss is also divided by
     ``accumulation_steps``).  ``A ⊗ G`` is then the empirical Fisher of one sample: it
     does not change with the batch size or the number of ranks, and ``kl_clip`` bounds
-    the per-sample KL divergence.  KAISA builds G from mean-loss gradients, so its G is
-    ours divided by ``B²`` (``B`` the per-rank batch): a KAISA damping λ corresponds to
-    ``B²·λ`` here (eigen method), and a KAISA ``kl_clip`` c to ``B²·c``.
+    the per-sample KL divergence.  KAISA builds a Linear layer's G from mean-loss
+    gradients, so its G is ours divided by ``B²`` (``B`` its per-rank batch) and its
+    eigen-method step is ``B²`` times ours at damping ``B²·λ``: a KAISA run with damping
+    λ and an active ``kl_clip`` c is reproduced here by ``damping=B²·λ, kl_clip=B²·c``
+    at the same lr (with an inactive clip, use ``lr·B²``).  Dimension 0 of a layer's
+    input is the batch.
 
     Distribution (``torch.distributed`` through a :class:`~secondorder.distributed.Reducer`):
     every rank must hold the gradient of the global batch (DDP, or an all-reduce of its

@@ -73,10 +73,11 @@ class KFAC:
     does not change with the batch size or the number of ranks, and ``kl_clip`` bounds
     the per-sample KL divergence.  KAISA builds a Linear layer's G from mean-loss
     gradients, so its G is ours divided by ``B²`` (``B`` its per-rank batch) and its
-    eigen-method step is ``B²`` times ours at damping ``B²·λ``: a KAISA run with damping
-    λ and an active ``kl_clip`` c is reproduced here by ``damping=B²·λ, kl_clip=B²·c``
-    at the same lr (with an inactive clip, use ``lr·B²``).  Dimension 0 of a layer's
-    input is the batch.
+    eigen-method step is ``B²`` times ours at damping ``B²·λ``, and our clip factor ν is
+    ``B²`` times its.  So ``damping=B²·λ, kl_clip=B²·c`` at the same lr reproduces a
+    KAISA run (damping λ, kl_clip c) exactly whenever our clip is active (KAISA's
+    ν < 1/B²); without clipping, use ``lr·B²`` instead.  Dimension 0 of a layer's input
+    is the batch.
 
     Distribution (``torch.distributed`` through a :class:`~secondorder.distributed.Reducer`):
     every rank must hold the gradient of the global batch (DDP, or an all-reduce of its

@@ -336,11 +336,12 @@ class KFAC:
         pre = self._precondition(grads, damping)
         nu: float = 1.0
         if kl_clip is not None and pre:
-            vg = sum(float((pre[n].double() * grads[n].double()).sum()) for n in pre) * lr**2
+            # the products in the gradient's dtype, their sum accumulated in float64
+            vg = sum(float((pre[n] * grads[n]).sum(dtype=torch.float64)) for n in pre) * lr**2
             if vg != 0.0:
                 nu = min(1.0, math.sqrt(kl_clip / abs(vg)))
         for name, p in pre.items():
-            self.layers[name].set_grad(p * nu if nu != 1.0 else p)
+            self.layers[name].set_grad(p.mul_(nu) if nu != 1.0 else p)
         self.last_nu = nu
         self.steps += 1
         self._capturing = self.steps % cfg.at("factor_update_steps", self.steps) == 0

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .reducer import Reducer
+from .reducer import Reducer, check_partition
 
 __all__ = ["CollectiveError", "ProcessGroupReducer"]
 
@@ -209,3 +209,37 @@ class ProcessGroupReducer(Reducer):
                 f"the {what} must be the same on all {self.world_size} ranks of the process "
                 f"group, but {'; '.join(problems)}"
             )
+
+    def broadcast_from_(self, tensors: Sequence[Tensor], src: int) -> None:  # noqa: D102
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(
+                f"Invalid src={src!r}: must be a rank of this group, in range({self.world_size})."
+            )
+        if self.world_size == 1:
+            return
+        world: Any = self.group if self.group is not None else dist.group.WORLD
+        source = dist.get_global_rank(world, src)
+
+        def op(t: Tensor) -> None:
+            self._collective(
+                f"broadcast of {t.numel()} {t.dtype} values from rank {src}",
+                lambda: dist.broadcast(t, src=source, group=self.group),
+            )
+
+        self._each_bucket(tensors, op)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Reducer:  # noqa: D102
+        check_partition(groups, self.world_size)
+        if len(groups) == 1:
+            return self
+        world: Any = self.group if self.group is not None else dist.group.WORLD
+        mine: Reducer | None = None
+        for g in groups:
+            # new_group is collective over the parent group: every rank creates every
+            # group, in the same order, even the groups it is not a member of.
+            members = sorted(dist.get_global_rank(world, r) for r in g)
+            handle = dist.new_group(members)
+            if self.rank in g:
+                mine = ProcessGroupReducer(handle, bucket_bytes=self.bucket_bytes)
+        assert mine is not None  # the partition holds every rank
+        return mine

@@ -46,6 +46,36 @@ class Reducer:
         """
         raise NotImplementedError
 
+    def broadcast_from_(self, tensors: Sequence[Tensor], src: int) -> None:
+        """Overwrite each tensor in place with participant ``src``'s copy.
+
+        Unlike :meth:`broadcast_`, the source is any participant, so work that one
+        participant did (a K-FAC layer's eigendecomposition) reaches the others.
+        """
+        raise NotImplementedError
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Reducer:
+        """The reducer over the one group of ``groups`` that holds this participant.
+
+        ``groups`` partitions ``range(world_size)`` (every participant exactly once);
+        every participant calls :meth:`split` with the same ``groups`` in the same
+        order, because building process groups is itself collective.  In the
+        returned reducer, ``rank`` is this participant's position in its group sorted
+        ascending.
+        """
+        raise NotImplementedError
+
+
+def check_partition(groups: Sequence[Sequence[int]], world_size: int) -> int:
+    """Index of the group of ``groups`` that holds rank 0; ValueError unless a partition."""
+    flat = [r for g in groups for r in g]
+    if sorted(flat) != list(range(world_size)) or any(len(g) == 0 for g in groups):
+        raise ValueError(
+            f"Invalid groups={[list(g) for g in groups]!r}: must be non-empty lists that "
+            f"together hold every rank of range({world_size}) exactly once."
+        )
+    return next(i for i, g in enumerate(groups) if 0 in g)
+
 
 class LocalReducer(Reducer):
     """The single-process reducer: every share is already the whole."""
@@ -61,3 +91,12 @@ class LocalReducer(Reducer):
 
     def check_agree(self, settings: Mapping[str, Any], what: str) -> None:  # noqa: D102
         return None
+
+    def broadcast_from_(self, tensors: Sequence[Tensor], src: int) -> None:  # noqa: D102
+        if src != 0:
+            raise ValueError(f"Invalid src={src!r}: a single process has only participant 0.")
+        return None
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Reducer:  # noqa: D102
+        check_partition(groups, 1)
+        return self

@@ -1,0 +1,209 @@
+"""Typed, validated, frozen configuration of :class:`~secondorder.kfac.KFAC`.
+
+Every hyperparameter that KAISA lets vary with the step (``damping``, ``factor_decay``,
+``kl_clip``, ``lr``, ``factor_update_steps``, ``inv_update_steps``) may be a number or a
+callable of the step count; a constant is checked when the config is built, a callable
+each time it is read (:meth:`KFACConfig.at`), with the same message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ASSIGNMENT_STRATEGIES", "COMPUTE_METHODS", "LOSS_REDUCTIONS", "KFACConfig", "Schedule"]
+
+COMPUTE_METHODS = ("eigen", "inverse")
+ASSIGNMENT_STRATEGIES = ("compute", "memory")
+LOSS_REDUCTIONS = ("mean", "sum")
+#: Named strategies accepted for ``grad_worker_fraction`` (HYBRID-OPT is a number).
+STRATEGY_NAMES = ("comm-opt", "mem-opt")
+
+#: A number, or a function of the step count returning one.
+Schedule = float | int | Callable[[int], Any]
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Invalid {name}={value!r}: must be a number or a callable of the step.")
+    if not math.isfinite(value):
+        raise ValueError(f"Invalid {name}={value!r}: must be finite.")
+    return float(value)
+
+
+def check_damping(value: object) -> float:
+    """``damping`` must be a finite number > 0 (λ is added to eigenvalues that may be 0)."""
+    v = _number("damping", value)
+    if v <= 0:
+        raise ValueError(f"Invalid damping={value!r}: must be a finite number > 0.")
+    return v
+
+
+def check_factor_decay(value: object) -> float:
+    """``factor_decay`` in [0, 1): 0 keeps only the newest factor, 1 would never update."""
+    v = _number("factor_decay", value)
+    if not 0.0 <= v < 1.0:
+        raise ValueError(
+            f"Invalid factor_decay={value!r}: must be in [0, 1) (0 uses only the newest batch)."
+        )
+    return v
+
+
+def check_kl_clip(value: object) -> float | None:
+    """``kl_clip`` is None (no clipping) or a finite number > 0."""
+    if value is None:
+        return None
+    v = _number("kl_clip", value)
+    if v <= 0:
+        raise ValueError(f"Invalid kl_clip={value!r}: must be None (no clipping) or > 0.")
+    return v
+
+
+def check_lr(value: object) -> float:
+    """``lr`` (used only by the KL clip) is a finite number > 0."""
+    v = _number("lr", value)
+    if v <= 0:
+        raise ValueError(f"Invalid lr={value!r}: must be a finite number > 0.")
+    return v
+
+
+def check_steps(name: str, value: object) -> int:
+    """An update interval: an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1.")
+    return value
+
+
+_CHECKS: dict[str, Callable[[object], Any]] = {
+    "damping": check_damping,
+    "factor_decay": check_factor_decay,
+    "kl_clip": check_kl_clip,
+    "lr": check_lr,
+    "factor_update_steps": lambda v: check_steps("factor_update_steps", v),
+    "inv_update_steps": lambda v: check_steps("inv_update_steps", v),
+}
+
+
+def _float_dtype(name: str, value: object, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        what = "None or a floating torch.dtype" if allow_none else "a floating torch.dtype"
+        raise ValueError(f"Invalid {name}={value!r}: must be {what} such as torch.float32.")
+
+
+@dataclass(frozen=True)
+class KFACConfig:
+    """Every setting of :class:`~secondorder.kfac.KFAC`, checked at construction.
+
+    Attributes:
+        factor_update_steps: steps between updates of the factors A and G.
+        inv_update_steps: steps between eigendecompositions (or inversions).
+        damping: λ of ``(A ⊗ G + λI)⁻¹`` (eigen) or ``(A+λI)⁻¹ ⊗ (G+λI)⁻¹`` (inverse).
+        factor_decay: weight of the old factor in ``F ← decay·F + (1-decay)·F_batch``.
+        kl_clip: bound on ``lr²⟨P, ∇⟩`` (None: no clipping).
+        lr: the learning rate the KL clip assumes.
+        accumulation_steps: micro-batches per optimizer step (each loss divided by it).
+        compute_method: ``"eigen"`` or ``"inverse"``.
+        factor_dtype: dtype of A and G (None: the parameter's).
+        inv_dtype: dtype of the eigendecomposition or inverse.
+        skip_layers: module names or class names (case-insensitive) left unpreconditioned.
+        grad_worker_fraction: share of ranks that precondition each layer: 1 or
+            ``"comm-opt"``, ``1/world`` or ``"mem-opt"``, anything between is HYBRID-OPT.
+        assignment_strategy: ``"compute"`` (balance n³) or ``"memory"`` (balance n²).
+        symmetry_aware: all-reduce only the upper triangles of A and G.
+        loss_reduction: ``"mean"`` (loss averaged over the local micro-batch) or
+            ``"sum"``; decides how per-sample gradients are recovered.
+    """
+
+    factor_update_steps: Any = 1
+    inv_update_steps: Any = 1
+    damping: Any = 1e-3
+    factor_decay: Any = 0.95
+    kl_clip: Any = 1e-3
+    lr: Any = 0.1
+    accumulation_steps: int = 1
+    compute_method: str = "eigen"
+    factor_dtype: torch.dtype | None = None
+    inv_dtype: torch.dtype = torch.float32
+    skip_layers: tuple[str, ...] = field(default_factory=tuple)
+    grad_worker_fraction: float | str = 1.0
+    assignment_strategy: str = "compute"
+    symmetry_aware: bool = False
+    loss_reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        for name, check in _CHECKS.items():
+            value = getattr(self, name)
+            if not callable(value):
+                check(value)
+        check_steps("accumulation_steps", self.accumulation_steps)
+        if self.compute_method not in COMPUTE_METHODS:
+            raise ValueError(
+                f"Unknown compute_method={self.compute_method!r}; valid choices are "
+                f"{COMPUTE_METHODS}."
+            )
+        if self.assignment_strategy not in ASSIGNMENT_STRATEGIES:
+            raise ValueError(
+                f"Unknown assignment_strategy={self.assignment_strategy!r}; valid choices are "
+                f"{ASSIGNMENT_STRATEGIES}."
+            )
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"Unknown loss_reduction={self.loss_reduction!r}; valid choices are "
+                f"{LOSS_REDUCTIONS}."
+            )
+        _float_dtype("factor_dtype", self.factor_dtype, allow_none=True)
+        _float_dtype("inv_dtype", self.inv_dtype, allow_none=False)
+        if isinstance(self.skip_layers, str) or not all(
+            isinstance(s, str) for s in self.skip_layers
+        ):
+            raise TypeError(
+                f"Invalid skip_layers={self.skip_layers!r}: must be a list of module names or "
+                "class names, e.g. ['fc3', 'Embedding']."
+            )
+        f = self.grad_worker_fraction
+        if isinstance(f, str):
+            if f not in STRATEGY_NAMES:
+                raise ValueError(
+                    f"Unknown grad_worker_fraction={f!r}; valid names are {STRATEGY_NAMES} "
+                    "(or a number in (0, 1] for HYBRID-OPT)."
+                )
+        elif isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+            raise ValueError(
+                f"Invalid grad_worker_fraction={f!r}: must be a number in (0, 1] "
+                "(1 = COMM-OPT, 1/world = MEM-OPT) or one of " + repr(STRATEGY_NAMES) + "."
+            )
+        if not isinstance(self.symmetry_aware, bool):
+            raise TypeError(f"Invalid symmetry_aware={self.symmetry_aware!r}: must be a bool.")
+
+    def at(self, name: str, step: int) -> Any:
+        """The value of hyperparameter ``name`` at ``step``, checked if it is a callable's."""
+        value = getattr(self, name)
+        if callable(value):
+            try:
+                return _CHECKS[name](value(step))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} (returned by the callable {name} at step {step})") from exc
+        return _CHECKS[name](value)
+
+    def grad_workers(self, world_size: int) -> int:
+        """Ranks that precondition each layer: ``round(world · grad_worker_fraction)``."""
+        f = self.grad_worker_fraction
+        if f == "comm-opt":
+            return world_size
+        if f == "mem-opt":
+            return 1
+        assert isinstance(f, (int, float))
+        k = max(1, round(world_size * f))
+        if world_size % k:
+            raise ValueError(
+                f"Invalid grad_worker_fraction={f!r} for {world_size} ranks: it gives {k} "
+                f"gradient workers per layer, which must divide the world size; choose "
+                f"k/{world_size} with k a divisor of {world_size}."
+            )
+        return k

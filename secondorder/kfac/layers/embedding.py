@@ -1,0 +1,103 @@
+"""``nn.Embedding``: a Linear layer on one-hot inputs, so A is diagonal.
+
+For token ``t`` the "input" is the one-hot vector ``e_t``; ``E[e_t e_tᵀ]`` is the
+diagonal of token frequencies, kept as a vector (``num_embeddings`` numbers instead of
+its square).  In the ``(o, i)`` layout the gradient is ``weight.grad.T``
+(``embedding_dim × num_embeddings``), and the eigenvectors of A are the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .base import KFACLayer, _sym_eigh, spd_inverse
+
+__all__ = ["EmbeddingLayer"]
+
+
+class EmbeddingLayer(KFACLayer):
+    """K-FAC block of an ``nn.Embedding`` with a diagonal A (token frequencies)."""
+
+    kind = "Embedding"
+
+    def __init__(self, name: str, module: nn.Embedding, factor_dtype: torch.dtype | None) -> None:
+        if module.sparse:
+            raise ValueError(
+                f"layer {name!r}: nn.Embedding(sparse=True) gives sparse gradients, which K-FAC "
+                "cannot precondition; build it with sparse=False or pass it in skip_layers."
+            )
+        super().__init__(name, module, factor_dtype)
+        self.embedding = module
+        self.num = module.num_embeddings
+        self.dim = module.embedding_dim
+
+    def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:  # noqa: D102
+        return (1, self.num), (1, self.dim, self.dim)
+
+    def identity_factors(self) -> tuple[Tensor, Tensor]:  # noqa: D102
+        dt, dev = self.factor_dtype, self.device
+        return (
+            torch.ones(1, self.num, dtype=dt, device=dev),
+            torch.eye(self.dim, dtype=dt, device=dev).unsqueeze(0),
+        )
+
+    def a_stats(self, x: Tensor) -> tuple[Tensor, int]:  # noqa: D102
+        idx = x.reshape(-1).long()
+        counts = torch.bincount(idx, minlength=self.num).to(self.factor_dtype)
+        return counts.unsqueeze(0), idx.numel()
+
+    def add_a(self, x: Tensor) -> None:  # noqa: D102
+        # indices are integers: count them without casting to the factor dtype first
+        s, rows = self.a_stats(x.detach())
+        self.a_sum = s if self.a_sum is None else self.a_sum + s
+        self.a_rows += rows
+        self.forward_calls += 1
+
+    def g_stats(self, g: Tensor) -> Tensor:  # noqa: D102
+        g = g.reshape(-1, g.shape[-1])
+        return (g.T @ g).unsqueeze(0)
+
+    def grad(self) -> Tensor | None:  # noqa: D102
+        w = self.embedding.weight.grad
+        return None if w is None else w.T.unsqueeze(0)
+
+    def set_grad(self, p: Tensor) -> None:  # noqa: D102
+        weight = self.embedding.weight
+        assert weight.grad is not None
+        weight.grad.copy_(p[0].T)
+
+    def inverse_shapes(self, method: str) -> dict[str, tuple[int, ...]]:  # noqa: D102
+        if method == "eigen":
+            return {"dA": (1, self.num), "QG": (1, self.dim, self.dim), "dG": (1, self.dim)}
+        return {"A_inv": (1, self.num), "G_inv": (1, self.dim, self.dim)}
+
+    def decompose(self, method: str, damping: float, dtype: torch.dtype) -> None:  # noqa: D102
+        if self.A is None or self.G is None:
+            self.A, self.G = self.identity_factors()
+        if method == "eigen":
+            dG, QG = _sym_eigh(self.G, dtype)
+            self.inv = {"dA": self.A.to(dtype).clamp(min=0.0), "QG": QG, "dG": dG}
+        else:
+            eye = torch.eye(self.dim, dtype=dtype, device=self.device)
+            self.inv = {
+                "A_inv": 1.0 / (self.A.to(dtype) + damping),
+                "G_inv": spd_inverse(self.G.to(dtype) + damping * eye),
+            }
+        self._contiguous()
+
+    def precondition(self, grad: Tensor, method: str, damping: float) -> Tensor:  # noqa: D102
+        inv = self.inv
+        if method == "eigen":
+            dA, QG, dG = inv["dA"], inv["QG"], inv["dG"]
+            v = QG.mT @ grad.to(QG.dtype)
+            v = v / (dG.unsqueeze(-1) * dA.unsqueeze(-2) + damping)
+            p = QG @ v
+        else:
+            p = (inv["G_inv"] @ grad.to(inv["G_inv"].dtype)) * inv["A_inv"].unsqueeze(-2)
+        return p.to(grad.dtype)
+
+    def curvature(self, delta: Tensor) -> Tensor:  # noqa: D102
+        assert self.A is not None and self.G is not None
+        d = delta.to(self.G.dtype)
+        return (d * ((self.G @ d) * self.A.unsqueeze(-2))).sum()

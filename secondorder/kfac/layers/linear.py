@@ -1,0 +1,62 @@
+"""``nn.Linear``: ``a`` is the input row (and a 1 for the bias), ``g`` the output gradient.
+
+Inputs with extra dimensions ``(N, ..., in)`` (tokens of a sequence) count each
+position as one row of A and add its gradient to the sample's G, as convolutions do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .base import KroneckerLayer
+
+__all__ = ["LinearLayer"]
+
+
+class LinearLayer(KroneckerLayer):
+    """K-FAC block of an ``nn.Linear`` layer (weight and bias preconditioned together)."""
+
+    kind = "Linear"
+
+    def __init__(self, name: str, module: nn.Linear, factor_dtype: torch.dtype | None) -> None:
+        super().__init__(name, module, factor_dtype)
+        self.linear = module
+        self.has_bias = module.bias is not None
+        self.n_in = module.in_features + int(self.has_bias)
+        self.n_out = module.out_features
+
+    def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:  # noqa: D102
+        return (1, self.n_in, self.n_in), (1, self.n_out, self.n_out)
+
+    def a_stats(self, x: Tensor) -> tuple[Tensor, int]:  # noqa: D102
+        a = x.reshape(-1, x.shape[-1])
+        if self.has_bias:
+            a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+        return (a.T @ a).unsqueeze(0), a.shape[0]
+
+    def g_stats(self, g: Tensor) -> Tensor:  # noqa: D102
+        g = g.reshape(-1, g.shape[-1])
+        return (g.T @ g).unsqueeze(0)
+
+    def grad(self) -> Tensor | None:  # noqa: D102
+        w = self.linear.weight.grad
+        if w is None:
+            return None
+        if self.has_bias:
+            b = self.linear.bias.grad if self.linear.bias is not None else None
+            b = torch.zeros_like(w[:, 0]) if b is None else b
+            w = torch.cat([w, b.unsqueeze(1)], dim=1)
+        return w.unsqueeze(0)
+
+    def set_grad(self, p: Tensor) -> None:  # noqa: D102
+        p = p[0]
+        weight = self.linear.weight
+        assert weight.grad is not None
+        weight.grad.copy_(p[:, : weight.shape[1]])
+        if self.has_bias:
+            bias = self.linear.bias
+            assert bias is not None
+            if bias.grad is None:
+                bias.grad = torch.empty_like(bias)
+            bias.grad.copy_(p[:, -1])

@@ -1,0 +1,142 @@
+"""K-FAC + SGD with momentum in one object, for a two-line start."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .damping import LMDampingRule
+from .preconditioner import KFAC
+
+__all__ = ["KFACOptimizer"]
+
+
+class KFACOptimizer(torch.optim.SGD):
+    """SGD (with momentum) on K-FAC-preconditioned gradients; a ``torch.optim.SGD``.
+
+    ``step()`` runs :meth:`KFAC.step` (which rewrites ``.grad``) and then SGD's step,
+    so ``KFACOptimizer(model, lr=0.1, momentum=0.9)`` equals ``KFAC(model, lr=0.1)``
+    followed by ``torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)``.
+    The KL clip uses this optimizer's ``lr`` (the first group's).
+
+    Adaptive damping (``adaptive_damping=True``): every ``damping_adaptation_interval``
+    steps, ``step(closure)`` evaluates ``closure()`` (the loss of the current batch,
+    forward only; it is called under ``torch.no_grad()``) before and after the update
+    and adapts λ by :class:`~secondorder.kfac.damping.LMDampingRule` from the ratio of
+    the actual to the predicted reduction ``∇ᵀδ + ½δᵀ(A⊗G + λI)δ`` (plain-gradient
+    parameters contribute ``∇ᵀδ + ½λ‖δ‖²``).  The new λ applies to the next step.
+
+    Args:
+        model: the model.
+        lr, momentum, weight_decay, nesterov, dampening: as ``torch.optim.SGD``.
+        adaptive_damping: adapt λ by the LM rule (needs a closure on adaptation steps).
+        damping_adaptation_interval, damping_adaptation_decay, min_damping, max_damping:
+            the rule's settings.
+        **kfac_kwargs: every other argument of :class:`KFAC` (``damping``, ``kl_clip``...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        dampening: float = 0.0,
+        *,
+        adaptive_damping: bool = False,
+        damping_adaptation_interval: int = 5,
+        damping_adaptation_decay: float = 0.95,
+        min_damping: float = 1e-8,
+        max_damping: float = 1e8,
+        **kfac_kwargs: Any,
+    ) -> None:
+        self.rule = (
+            LMDampingRule(
+                damping_adaptation_interval, damping_adaptation_decay, min_damping, max_damping
+            )
+            if adaptive_damping
+            else None
+        )
+        super().__init__(
+            model.parameters(),
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            dampening=dampening,
+        )
+        self.kfac = KFAC(model, lr=lambda _: self.param_groups[0]["lr"], **kfac_kwargs)
+        #: the last reduction ratio ρ of adaptive damping (None before the first).
+        self.last_rho: float | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Precondition the gradients, then take the SGD step; see the class docstring."""
+        adapt = self.rule is not None and self.kfac.steps % self.rule.interval == 0
+        if adapt and closure is None:
+            raise ValueError(
+                "adaptive_damping needs step(closure) on adaptation steps: a closure that "
+                "returns the loss of the current batch (forward only)"
+            )
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if adapt:
+            assert closure is not None
+            loss_before = float(closure())
+            raw = [p.grad.clone() for p in params]
+            before = [p.detach().clone() for p in params]
+        self.kfac.step()
+        super().step()
+        if adapt:
+            assert self.rule is not None and closure is not None
+            loss_after = float(closure())
+            deltas = {p: p.detach() - b for p, b in zip(params, before, strict=True)}
+            predicted = self._predicted(params, raw, deltas)
+            rho = self.rule.ratio(loss_before, loss_after, predicted)
+            self.last_rho = rho
+            self.kfac.damping_override = self.rule.update(self.kfac.damping, rho)
+            return loss_before
+        return None
+
+    def _predicted(
+        self, params: list[Tensor], raw: list[Tensor], deltas: dict[Tensor, Tensor]
+    ) -> float:
+        lam = self.kfac.damping
+        lin = sum(
+            float((g.double() * deltas[p].double()).sum()) for p, g in zip(params, raw, strict=True)
+        )
+        sq = sum(float(d.double().pow(2).sum()) for d in deltas.values())
+        curv = 0.0
+        for layer in self.kfac.layers.values():
+            ps = layer.params()
+            if not all(p in deltas for p in ps) or layer.A is None:
+                continue
+            saved = [p.grad for p in ps]
+            # reuse the layer's gradient layout for the step: (groups, o, i)
+            for p in ps:
+                p.grad = deltas[p]
+            d = layer.grad()
+            for p, s in zip(ps, saved, strict=True):
+                p.grad = s
+            assert d is not None
+            curv += float(layer.curvature(d))
+        out = lin + 0.5 * (curv + lam * sq)
+        return out if math.isfinite(out) else math.inf
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's ``{"state", "param_groups"}`` plus ``"kfac"``: :meth:`KFAC.state_dict`."""
+        state = super().state_dict()
+        state["kfac"] = self.kfac.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the K-FAC part first, checked in full)."""
+        state = dict(state_dict)
+        if "kfac" not in state:
+            raise ValueError("KFACOptimizer.load_state_dict: the state_dict has no 'kfac' entry")
+        self.kfac.load_state_dict(state.pop("kfac"))
+        super().load_state_dict(state)

@@ -1,0 +1,155 @@
+"""Every bad input is refused with a message naming the argument, before anything changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from secondorder.distributed import LocalReducer
+from secondorder.kfac import KFAC, KFACConfig, KFACOptimizer, LMDampingRule, assign_work
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+
+
+BAD = [
+    (
+        dict(compute_method="cholesky"),
+        ValueError,
+        r"Unknown compute_method='cholesky'; valid choices are \('eigen', 'inverse'\)",
+    ),
+    (dict(damping=-1e-3), ValueError, r"Invalid damping=-0.001: must be a finite number > 0"),
+    (dict(damping=float("nan")), ValueError, r"Invalid damping=nan: must be finite"),
+    (dict(damping="big"), TypeError, r"Invalid damping='big': must be a number or a callable"),
+    (dict(factor_decay=1.0), ValueError, r"Invalid factor_decay=1.0: must be in \[0, 1\)"),
+    (dict(factor_decay=-0.1), ValueError, r"Invalid factor_decay=-0.1: must be in \[0, 1\)"),
+    (dict(kl_clip=0.0), ValueError, r"Invalid kl_clip=0.0: must be None \(no clipping\) or > 0"),
+    (dict(lr=0), ValueError, r"Invalid lr=0: must be a finite number > 0"),
+    (
+        dict(factor_update_steps=0),
+        ValueError,
+        r"Invalid factor_update_steps=0: must be an integer >= 1",
+    ),
+    (dict(inv_update_steps=1.5), ValueError, r"Invalid inv_update_steps=1.5"),
+    (dict(accumulation_steps=0), ValueError, r"Invalid accumulation_steps=0"),
+    (dict(assignment_strategy="fast"), ValueError, r"Unknown assignment_strategy='fast'"),
+    (dict(loss_reduction="none"), ValueError, r"Unknown loss_reduction='none'"),
+    (dict(inv_dtype=torch.int32), ValueError, r"Invalid inv_dtype=torch.int32: must be a floating"),
+    (dict(factor_dtype="float"), ValueError, r"Invalid factor_dtype='float': must be None or a"),
+    (dict(skip_layers=[1]), TypeError, r"Invalid skip_layers=\(1,\): must be a list of module"),
+    (dict(grad_worker_fraction=0.0), ValueError, r"Invalid grad_worker_fraction=0.0: must be a"),
+    (dict(grad_worker_fraction=1.5), ValueError, r"Invalid grad_worker_fraction=1.5"),
+    (dict(grad_worker_fraction="best"), ValueError, r"Unknown grad_worker_fraction='best'"),
+    (dict(symmetry_aware=1), TypeError, r"Invalid symmetry_aware=1: must be a bool"),
+    (
+        dict(modules=["1"]),
+        TypeError,
+        r"Invalid modules entry '1': it is a LayerNorm, which K-FAC does not support",
+    ),
+    (dict(modules=["nope"]), ValueError, r"\['nope'\] are not submodule names of the model"),
+    (dict(grad_scaler=3), TypeError, r"Invalid grad_scaler=3: must be a torch.amp.GradScaler"),
+    (dict(reducer="local"), TypeError, r"reducer must be a secondorder.distributed.Reducer"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "match"), BAD)
+def test_bad_argument_is_refused_before_hooks_exist(
+    kwargs: dict[str, object], exc: type[Exception], match: str
+) -> None:
+    model = mlp()
+    with pytest.raises(exc, match=match):
+        KFAC(model, **kwargs)  # type: ignore[arg-type]
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_model_without_supported_layers() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"the model has no layer K-FAC can precondition.*"
+        r"'0': 'LayerNorm is not supported'",
+    ):
+        KFAC(nn.Sequential(nn.LayerNorm(3)))
+    with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
+        KFAC(nn.Sequential(nn.Linear(2, 2)), skip_layers=["linear"])
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got str"):
+        KFAC("model")  # type: ignore[arg-type]
+
+
+def test_sparse_embedding_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"layer '0': nn.Embedding\(sparse=True\) gives sparse"):
+        KFAC(nn.Sequential(nn.Embedding(4, 2, sparse=True)))
+
+
+def test_functional_child_cannot_be_forced_in() -> None:
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2)})
+    with pytest.raises(ValueError, match=r"Invalid modules entry 'attn.out_proj': its parent"):
+        KFAC(model, modules=["attn.out_proj"])
+
+
+def test_callable_returning_bad_value_raises_at_step_before_grads_change() -> None:
+    model = mlp()
+    k = KFAC(model, damping=lambda s: -1.0)
+    model(torch.randn(4, 3)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(
+        ValueError, match=r"Invalid damping=-1.0.*returned by the callable damping at step 0"
+    ):
+        k.step()
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert k.steps == 0
+
+
+def test_hybrid_fraction_must_divide_world() -> None:
+    cfg = KFACConfig(grad_worker_fraction=0.75)
+    with pytest.raises(ValueError, match=r"grad_worker_fraction=0.75 for 4 ranks: it gives 3"):
+        cfg.grad_workers(4)
+    assert cfg.grad_workers(1) == 1
+    assert KFACConfig(grad_worker_fraction="mem-opt").grad_workers(8) == 1
+    assert KFACConfig(grad_worker_fraction=0.5).grad_workers(8) == 4
+
+
+def test_assignment_and_damping_rule_arguments() -> None:
+    with pytest.raises(ValueError, match=r"Invalid world_size=0: must be an integer >= 1"):
+        assign_work({"a": 1.0}, 0, 1)
+    with pytest.raises(ValueError, match=r"Invalid grad_workers=3: must be a divisor of"):
+        assign_work({"a": 1.0}, 4, 3)
+    with pytest.raises(ValueError, match=r"Invalid damping_adaptation_interval=0"):
+        LMDampingRule(interval=0)
+    with pytest.raises(ValueError, match=r"Invalid damping_adaptation_decay=1.0"):
+        LMDampingRule(decay=1.0)
+    with pytest.raises(ValueError, match=r"Invalid min_damping=1.0, max_damping=0.1"):
+        LMDampingRule(min_damping=1.0, max_damping=0.1)
+
+
+def test_optimizer_arguments() -> None:
+    model = mlp()
+    opt = KFACOptimizer(model, adaptive_damping=True)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(ValueError, match=r"adaptive_damping needs step\(closure\)"):
+        opt.step()
+
+
+def test_load_state_dict_checks_everything_first() -> None:
+    k = KFAC(mlp())
+    good = k.state_dict()
+    with pytest.raises(ValueError, match=r"lacks \['steps'\]"):
+        k.load_state_dict({"layers": {}})
+    with pytest.raises(ValueError, match=r"holds layers \['0'\] but this model's"):
+        k.load_state_dict({"steps": 3, "layers": {"0": {}}})
+    bad = {"steps": 5, "layers": {"0": {"A": torch.eye(2)[None], "G": torch.eye(4)[None]}, "2": {}}}
+    with pytest.raises(ValueError, match=r"layer '0' factor A has shape \(1, 2, 2\), expected"):
+        k.load_state_dict(bad)
+    assert k.steps == 0 and good["steps"] == 0
+    with pytest.raises(ValueError, match="has no 'kfac' entry"):
+        KFACOptimizer(mlp()).load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_reducer_collective_arguments_on_one_process() -> None:
+    r = LocalReducer()
+    with pytest.raises(ValueError, match=r"Invalid src=1: a single process has only"):
+        r.broadcast_from_([torch.zeros(1)], 1)
+    with pytest.raises(ValueError, match=r"Invalid groups=\[\[0, 1\]\]: must be non-empty"):
+        r.split([[0, 1]])

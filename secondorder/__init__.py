@@ -6,6 +6,8 @@ One package per family, sharing one distributed layer and one training loop:
   damped normal equations with an explicit Jacobian;
 * :mod:`secondorder.fitting`: :func:`least_squares` and :func:`curve_fit`, its
   functional counterparts for fitting the parameters of a model function;
+* :mod:`secondorder.kfac`: :class:`KFAC`, a Kronecker-factored preconditioner with
+  KAISA's distribution strategies, and :class:`KFACOptimizer` (K-FAC + SGD);
 * :mod:`secondorder.training`: :func:`fit`, the training loop;
 * :mod:`secondorder.distributed`: reducers over processes and devices, used by every
   family; :mod:`secondorder.testing`: the multi-process launcher their tests share.
@@ -14,7 +16,7 @@ One package per family, sharing one distributed layer and one training loop:
 import sys as _sys
 from importlib import import_module as _import_module
 
-from . import distributed, fitting, lm, training
+from . import distributed, fitting, kfac, lm, training
 from .fitting import (
     FitReport,
     OptimizeResult,
@@ -25,6 +27,7 @@ from .fitting import (
     least_squares,
     standard_errors,
 )
+from .kfac import KFAC, KFACOptimizer
 from .lm import (
     LevenbergMarquardt,
     LMConfig,
@@ -41,10 +44,12 @@ from .lm import (
 from .training import Callback, CSVLogger, History, TensorBoardLogger, fit
 
 __all__ = [
+    "KFAC",
     "CSVLogger",
     "Callback",
     "FitReport",
     "History",
+    "KFACOptimizer",
     "LMConfig",
     "LevenbergMarquardt",
     "MemoryPlan",
@@ -62,6 +67,7 @@ __all__ = [
     "fit_report",
     "fitting",
     "jacobian",
+    "kfac",
     "least_squares",
     "linalg",
     "lm",

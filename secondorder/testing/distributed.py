@@ -72,10 +72,15 @@ def _rank_main(
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-    )
     try:
+        # Inside the try: a rendezvous that fails is reported as this rank's error.
+        dist.init_process_group(
+            "gloo",
+            init_method=init,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
         result: dict[str, Any] = {"value": fn(rank, world, *args)}
     except BaseException as exc:  # reported to the parent, which decides what it means
         result = {
@@ -86,7 +91,8 @@ def _rank_main(
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     # A rank whose peers died cannot leave the group cleanly; its result is written.
     with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_ranks(

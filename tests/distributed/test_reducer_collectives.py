@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from secondorder.distributed import LocalReducer, ProcessGroupReducer
 from secondorder.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
-)
+pytestmark = pytest.mark.distributed
 
 
 def job(rank: int, world: int) -> dict[str, object]:

@@ -21,9 +21,7 @@ from torch import nn
 from secondorder.kfac import KFAC
 from secondorder.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
-)
+pytestmark = pytest.mark.distributed
 
 DT = torch.float64
 N = 8  # global batch

@@ -45,7 +45,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..lm.optimizer import LevenbergMarquardt, StepInfo
-from ..training.fit import _split_batch
+from ..training.data import split_batch
 
 __all__ = ["LevenbergMarquardtMixin", "lm_training_step"]
 
@@ -101,7 +101,7 @@ def lm_training_step(
         The optimizer's :class:`~secondorder.lm.StepInfo`.
     """
     opt = _lm_optimizer(module)
-    inputs, targets = _split_batch(batch, "batch")
+    inputs, targets = split_batch(batch, "batch")
     # The wrapper Lightning hands out counts optimizer steps for the Trainer through
     # these two hooks; its own step() would call optimizer.step(closure=...), which an
     # LM step (it needs the batch, not a closure) cannot take.

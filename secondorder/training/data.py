@@ -1,0 +1,78 @@
+"""Batches for the training loop: ``(inputs, targets)`` pairs from a tuple, a list or a loader.
+
+:func:`fit <secondorder.training.fit>` and the Lightning integration accept the same
+shapes of data, so they share these helpers: a batch is ``(inputs, targets)`` (a tuple or
+list of two, ``targets`` may be ``None``) or a bare ``inputs`` tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["batches", "is_single_batch", "split_batch"]
+
+
+def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of one batch; ``where`` names it in the error message.
+
+    A bare tensor is ``inputs`` with no targets; a tuple or list of one or two items
+    is ``(inputs,)`` or ``(inputs, targets)``.
+    """
+    if isinstance(batch, Tensor):
+        return batch, None
+    if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):
+        return batch[0], (batch[1] if len(batch) == 2 else None)
+    size = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
+    raise TypeError(
+        f"{where} must be (inputs, targets) (a tuple or list of 2), got "
+        f"{type(batch).__name__}{size}"
+    )
+
+
+def is_single_batch(data: Any) -> bool:
+    """Whether ``data`` is one ``(inputs, targets)`` batch rather than a collection of them."""
+    return (
+        isinstance(data, (tuple, list))
+        and len(data) == 2
+        and isinstance(data[0], Tensor)
+        and (data[1] is None or isinstance(data[1], Tensor))
+    )
+
+
+def batches(data: Any, name: str) -> Callable[[], Iterator[tuple[Any, Any]]]:
+    """A function returning a fresh iterator over ``(inputs, targets)`` for each epoch.
+
+    A single batch yields itself once per epoch; a list or a ``DataLoader`` is iterated
+    afresh; a one-shot iterator serves one epoch and then raises, naming ``name``.
+    """
+    if is_single_batch(data):
+        single = (data[0], data[1])
+        return lambda: iter([single])
+    if isinstance(data, Tensor):
+        raise TypeError(
+            f"{name} must be an (inputs, targets) tuple or an iterable of such batches, "
+            f"got a single tensor of shape {tuple(data.shape)}; pass ({name[0]}, targets)"
+        )
+    if not isinstance(data, Iterable):
+        raise TypeError(
+            f"{name} must be an (inputs, targets) tuple of tensors or an iterable of "
+            f"(inputs, targets) batches (e.g. a DataLoader), got {type(data).__name__}"
+        )
+    if iter(data) is data:
+        items: Iterator[Any] | None = data
+
+        def once() -> Iterator[tuple[Any, Any]]:
+            nonlocal items
+            if items is None:
+                raise ValueError(
+                    f"{name} is a one-shot iterator and was used up after one epoch; "
+                    "pass a list or a DataLoader to train for several epochs"
+                )
+            it, items = items, None
+            return (split_batch(b, f"each batch of {name}") for b in it)
+
+        return once
+    return lambda: (split_batch(b, f"each batch of {name}") for b in data)

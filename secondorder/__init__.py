@@ -41,12 +41,23 @@ from .lm import (
     planner,
     residuals,
 )
-from .training import Callback, CSVLogger, History, TensorBoardLogger, fit
+from .training import (
+    Callback,
+    CSVLogger,
+    EpochRecord,
+    History,
+    StepRecord,
+    StepResult,
+    TensorBoardLogger,
+    TrainingStep,
+    fit,
+)
 
 __all__ = [
     "KFAC",
     "CSVLogger",
     "Callback",
+    "EpochRecord",
     "FitReport",
     "History",
     "KFACOptimizer",
@@ -57,7 +68,10 @@ __all__ = [
     "OptimizeResult",
     "PlanError",
     "StepInfo",
+    "StepRecord",
+    "StepResult",
     "TensorBoardLogger",
+    "TrainingStep",
     "correlation",
     "covariance",
     "curve_fit",

@@ -290,8 +290,8 @@ class Shampoo(torch.optim.Optimizer):
             batch.state = state
             for i, b in enumerate(batch.blocks):
                 pstate = self.state[b.param]
-                for key, buf in state.items():
-                    entry = f"block{b.spec.index}.{key}"
+                for state_key, buf in state.items():
+                    entry = f"block{b.spec.index}.{state_key}"
                     if entry in pstate:
                         saved = pstate[entry]
                         if saved.shape != buf[i].shape:

@@ -193,10 +193,10 @@ def config_to_dict(config: GraftingConfig | RootInvConfig | None) -> dict[str, A
 
 
 def config_from_dict(data: Any) -> Any:
-    """Inverse of :func:`config_to_dict`; configuration objects pass through unchanged."""
-    if data is None or isinstance(data, (GraftingConfig, RootInvConfig)):
-        return data
-    if not isinstance(data, dict) or data.get("type") not in _CONFIG_CLASSES:
+    """Inverse of :func:`config_to_dict`; anything but a dictionary passes through unchanged."""
+    if not isinstance(data, dict):
+        return data  # a configuration object, or a bad value that validation will name
+    if data.get("type") not in _CONFIG_CLASSES:
         raise ValueError(
             f"cannot rebuild a Shampoo configuration from {data!r}: expected a dictionary "
             f"whose 'type' is one of {sorted(_CONFIG_CLASSES)}"

@@ -138,13 +138,14 @@ class RootInversePreconditioner(Preconditioner):
         root = 2 * self.order
         cfg = self.root_inv_config
         if isinstance(cfg, CoupledNewtonConfig):
-            return coupled_newton_root_inverse(
+            X, failed, _ = coupled_newton_root_inverse(
                 A,
                 root,
                 self.epsilon,
                 max_iterations=cfg.max_iterations,
                 tolerance=cfg.tolerance,
             )
+            return X, failed
         assert isinstance(cfg, EigenConfig)
         return eigh_root_inverse(
             A,

@@ -115,12 +115,14 @@ def eigh_root_inverse(
 
 def coupled_newton_root_inverse(
     A: Tensor, root: int, epsilon: float, *, max_iterations: int = 100, tolerance: float = 1e-6
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(A + εI)^(−1/root)`` by the coupled inverse Newton iteration, for a stack ``A``.
 
     Starts from ``X = z^(1/p) I``, ``M = z (A + εI)`` with ``z = (p + 1) / (2‖A + εI‖_F)``,
     which puts the spectrum of ``M`` in ``(0, (p+1)/2]`` where the iteration converges.
-    Returns the roots and the mask of matrices that did not reach ``tolerance``.
+    Returns the roots, the mask of non-finite results (failures) and the mask of
+    matrices that reached ``tolerance``.  As in DistributedShampoo, a finite result that
+    did not converge is still used: in float32 the tolerance may be out of reach.
     """
     n = A.shape[-1]
     eye = torch.eye(n, dtype=A.dtype, device=A.device).expand_as(A)
@@ -137,5 +139,5 @@ def coupled_newton_root_inverse(
         X = X @ M_p
         M = torch.linalg.matrix_power(M_p, root) @ M
         error = (M - eye).abs().sum(dim=-1).amax(dim=-1)
-    failed = ~(error <= tolerance) | ~torch.isfinite(X).flatten(1).all(dim=1)
-    return X, failed
+    failed = ~torch.isfinite(X).flatten(1).all(dim=1)
+    return X, failed, error <= tolerance

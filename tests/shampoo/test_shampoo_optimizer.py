@@ -447,7 +447,8 @@ def test_non_finite_gradient_raises_before_any_change() -> None:
     m[2].weight.grad[0, 0] = float("nan")
     with pytest.raises(
         FloatingPointError,
-        match=r"non-finite gradient .* param_groups\[0\]\['params'\]\[2\] \(shape \(3, 5\)\); no state was changed",
+        match=r"non-finite gradient .* param_groups\[0\]\['params'\]\[2\] \(shape \(3, 5\)\); "
+        "no state was changed",
     ):
         opt.step()
     for k, v in opt.state[next(m.parameters())].items():
@@ -479,7 +480,8 @@ def test_failed_root_keeps_previous_with_warning_naming_parameter(
     monkeypatch.setattr(ri, "_eigh", broken)
     with pytest.warns(
         RuntimeWarning,
-        match=r"block 0 \(factors \[0, 1\]\) of parameter 'enc.weight' \(shape \(2, 3\)\) failed at step 2 even in float64; keeping its previous root",
+        match=r"block 0 \(factors \[0, 1\]\) of parameter 'enc.weight' \(shape \(2, 3\)\) "
+        "failed at step 2 even in float64; keeping its previous root",
     ):
         opt.step()
     assert torch.equal(opt.state[m.weight]["block0.root0"], root)

@@ -648,3 +648,33 @@ def test_structural_change_after_first_step_and_integer_params_are_refused() -> 
     p.grad = torch.full((3,), float("inf"))
     with pytest.raises(FloatingPointError, match="non-finite gradient"):
         Shampoo([p]).step()
+
+
+def test_parameters_without_gradient_are_skipped_within_a_batch() -> None:
+    # w1, w2, w3 share one block shape, so they share a batch; w2 never gets a gradient.
+    torch.manual_seed(3)
+    w1, w2, w3 = (nn.Parameter(torch.randn(4, 4, dtype=torch.float64)) for _ in range(3))
+    v1, v3 = nn.Parameter(w1.detach().clone()), nn.Parameter(w3.detach().clone())
+    w2_before = w2.detach().clone()
+    kw: dict[str, Any] = dict(max_preconditioner_dim=4, grafting_config=AdamGraftingConfig())
+    oa, ob = Shampoo([w1, w2, w3], **kw), Shampoo([v1, v3], **kw)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for _ in range(4):
+        for o, (a, b) in ((oa, (w1, w3)), (ob, (v1, v3))):
+            o.zero_grad()
+            (x @ a @ b).square().mean().backward()
+            o.step()
+    assert [len(b.blocks) for b in oa._batches] == [3]
+    assert torch.equal(w1, v1) and torch.equal(w3, v3)
+    assert torch.equal(w2, w2_before)
+    assert not oa.state[w2]["block0.factor0"].any()
+
+
+def test_named_parameters_name_the_culprit() -> None:
+    m = _model(torch.float32)
+    opt = Shampoo(m.named_parameters())
+    x, y = _data(torch.float32)
+    ((m(x) - y) ** 2).mean().backward()
+    m[0].bias.grad[0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"parameter '0.bias' \(shape \(5,\)\)"):
+        opt.step()

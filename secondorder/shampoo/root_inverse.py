@@ -1,0 +1,143 @@
+"""Batched inverse roots ``A^(-1/p)`` of symmetric positive semi-definite matrices.
+
+Every function takes a stack ``(B, n, n)`` and works on all ``B`` matrices in one
+call (one batched ``eigh`` or a few batched products), which is where Shampoo's
+step spends its time.
+
+Regularisation (DistributedShampoo's default): the eigendecomposition is taken of
+``A + εI``; if its smallest eigenvalue ``λ_min`` is still below ``ε`` (``A`` was
+indefinite through rounding), every eigenvalue is shifted to ``λ − λ_min + ε``, so the
+smallest becomes ``ε`` and the inverse root stays finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["EighResult", "batched_eigh", "coupled_newton_root_inverse", "eigh_root_inverse"]
+
+# Looked up at call time, so tests can make it fail on purpose.
+_eigh = torch.linalg.eigh
+
+
+@dataclass
+class EighResult:
+    """Eigenvalues ``(B, n)``, eigenvectors ``(B, n, n)`` and which matrices failed ``(B,)``.
+
+    A failed matrix has eigenvalues and eigenvectors set to NaN; the caller keeps its
+    previous result for it.
+    """
+
+    eigenvalues: Tensor
+    eigenvectors: Tensor
+    failed: Tensor
+
+
+def _try_eigh(A: Tensor) -> tuple[Tensor, Tensor] | None:
+    try:
+        L, Q = _eigh(A)
+    except RuntimeError:
+        return None
+    if not (torch.isfinite(L).all() and torch.isfinite(Q).all()):
+        return None
+    return L, Q
+
+
+def batched_eigh(A: Tensor, retry_double_precision: bool = True) -> EighResult:
+    """``eigh`` of a stack: one batched call; on failure float64, then matrix by matrix.
+
+    A batched LAPACK call fails as a whole if one matrix fails to converge, so only
+    then are the matrices decomposed one at a time to find the culprits.
+    """
+    out = _try_eigh(A)
+    if out is None and retry_double_precision and A.dtype != torch.float64:
+        wide = _try_eigh(A.double())
+        out = None if wide is None else (wide[0].to(A.dtype), wide[1].to(A.dtype))
+    failed = torch.zeros(A.shape[0], dtype=torch.bool, device=A.device)
+    if out is not None:
+        return EighResult(out[0], out[1], failed)
+    L = torch.full(A.shape[:-1], float("nan"), dtype=A.dtype, device=A.device)
+    Q = torch.full(A.shape, float("nan"), dtype=A.dtype, device=A.device)
+    for i in range(A.shape[0]):
+        one = _try_eigh(A[i : i + 1])
+        if one is None and retry_double_precision and A.dtype != torch.float64:
+            wide = _try_eigh(A[i : i + 1].double())
+            one = None if wide is None else (wide[0].to(A.dtype), wide[1].to(A.dtype))
+        if one is None:
+            failed[i] = True
+        else:
+            L[i], Q[i] = one[0][0], one[1][0]
+    return EighResult(L, Q, failed)
+
+
+def _add_identity(A: Tensor, epsilon: float) -> Tensor:
+    if epsilon == 0.0:
+        return A
+    out = A.clone()
+    out.diagonal(dim1=-2, dim2=-1).add_(epsilon)
+    return out
+
+
+def eigh_root_inverse(
+    A: Tensor,
+    root: float,
+    epsilon: float,
+    *,
+    pseudo_inverse: bool = False,
+    rank_rtol: float | None = None,
+    retry_double_precision: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """``(A + εI)^(−1/root)`` for a stack ``A``, and the mask of matrices that failed.
+
+    With ``pseudo_inverse`` the eigenvalues ``≤ rank_rtol · max(λ_max, 0)`` (default
+    ``rank_rtol = n · machine epsilon``) get a zero inverse root and ``ε`` is not used:
+    the Moore-Penrose inverse root of a rank-deficient ``A``.
+    """
+    res = batched_eigh(_add_identity(A, epsilon), retry_double_precision)
+    L, Q = res.eigenvalues, res.eigenvectors
+    if pseudo_inverse:
+        rtol = A.shape[-1] * torch.finfo(A.dtype).eps if rank_rtol is None else rank_rtol
+        cutoff = rtol * L.amax(dim=-1, keepdim=True).clamp(min=0.0)
+        keep = torch.gt(L, cutoff)
+        inv = torch.where(keep, L.pow(-1.0 / root), torch.zeros_like(L))
+    else:
+        lam_min = L.amin(dim=-1, keepdim=True)
+        # Shift only the matrices whose smallest eigenvalue fell below epsilon.
+        L = torch.where(lam_min < epsilon, (L - lam_min) + epsilon, L)
+        inv = L.pow(-1.0 / root)
+    X = (Q * inv.unsqueeze(-2)) @ Q.mT
+    failed = res.failed | ~torch.isfinite(X).flatten(1).all(dim=1)
+    return X, failed
+
+
+def coupled_newton_root_inverse(
+    A: Tensor, root: int, epsilon: float, *, max_iterations: int = 100, tolerance: float = 1e-6
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(A + εI)^(−1/root)`` by the coupled inverse Newton iteration, for a stack ``A``.
+
+    Starts from ``X = z^(1/p) I``, ``M = z (A + εI)`` with ``z = (p + 1) / (2‖A + εI‖_F)``,
+    which puts the spectrum of ``M`` in ``(0, (p+1)/2]`` where the iteration converges.
+    Returns the roots, the mask of non-finite results (failures) and the mask of
+    matrices that reached ``tolerance``.  As in DistributedShampoo, a finite result that
+    did not converge is still used: in float32 the tolerance may be out of reach.
+    """
+    n = A.shape[-1]
+    eye = torch.eye(n, dtype=A.dtype, device=A.device).expand_as(A)
+    A_ridge = _add_identity(A, epsilon)
+    alpha = -1.0 / root
+    z = (root + 1) / (2 * torch.linalg.matrix_norm(A_ridge))  # (B,)
+    X = z.pow(-alpha)[:, None, None] * eye
+    M = z[:, None, None] * A_ridge
+    error = (M - eye).abs().sum(dim=-1).amax(dim=-1)
+    for _ in range(max_iterations):
+        if bool((error <= tolerance).all()):
+            break
+        M_p = M * alpha + eye * (1 - alpha)
+        X = X @ M_p
+        M = torch.linalg.matrix_power(M_p, root) @ M
+        error = (M - eye).abs().sum(dim=-1).amax(dim=-1)
+    failed = ~torch.isfinite(X).flatten(1).all(dim=1)
+    return X, failed, error <= tolerance

@@ -1,0 +1,680 @@
+"""Shampoo against torch.optim, a hand-written float64 reference, and its own resume."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from secondorder.shampoo import (
+    AdaGradGraftingConfig,
+    AdamGraftingConfig,
+    CoupledNewtonConfig,
+    EigenConfig,
+    RMSpropGraftingConfig,
+    SGDGraftingConfig,
+    Shampoo,
+)
+
+NEVER = 10**9  # a start_preconditioning_step that is never reached
+
+
+def _model(dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+
+
+def _data(dtype: torch.dtype, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g, dtype=dtype), torch.randn(n, 3, generator=g, dtype=dtype)
+
+
+def _train(
+    model: nn.Module, make: Callable[[Any], torch.optim.Optimizer], steps: int, dtype: torch.dtype
+) -> torch.Tensor:
+    x, y = _data(dtype)
+    opt = make(model.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+GRAFTING_CASES = [
+    (
+        "adam",
+        lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-8),
+        dict(betas=(0.9, 1.0), grafting_config=AdamGraftingConfig(beta2=0.999, epsilon=1e-8)),
+    ),
+    (
+        "adamw",
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1),
+        dict(
+            betas=(0.8, 1.0),
+            weight_decay=0.1,
+            grafting_config=AdamGraftingConfig(beta2=0.99, epsilon=1e-7),
+        ),
+    ),
+    (
+        "adagrad",
+        lambda ps: torch.optim.Adagrad(ps, lr=0.05, eps=1e-10),
+        dict(lr=0.05, betas=(0.0, 1.0), grafting_config=AdaGradGraftingConfig(epsilon=1e-10)),
+    ),
+    (
+        "rmsprop",
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.99, eps=1e-8),
+        dict(betas=(0.0, 1.0), grafting_config=RMSpropGraftingConfig(beta2=0.99, epsilon=1e-8)),
+    ),
+    (
+        "sgd-nesterov-l2",
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        dict(
+            lr=0.1,
+            betas=(0.0, 1.0),
+            momentum=0.9,
+            use_nesterov=True,
+            weight_decay=0.01,
+            use_decoupled_weight_decay=False,
+            grafting_config=SGDGraftingConfig(),
+        ),
+    ),
+    # (No dampening case: torch.optim.SGD starts its buffer at the raw gradient, while
+    # Shampoo, like DistributedShampoo, starts it at zero, so step 1 differs by (1 − dampening).)
+    (
+        "sgd-momentum-decoupled",
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
+        dict(lr=0.1, betas=(0.0, 1.0), momentum=0.5, grafting_config=SGDGraftingConfig()),
+    ),
+]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor, before: torch.Tensor) -> float:
+    """Largest distance between ``a`` and ``b`` in ulps of ``max(|b|, |before|)``.
+
+    ``b = before − lr·d``: where the step nearly cancels the parameter, rounding the
+    step is measured against the operands' size, not the small difference.
+    """
+    size = torch.maximum(b.abs(), before.abs())
+    spacing = torch.nextafter(size, torch.full_like(size, float("inf"))) - size
+    return float(((a - b).abs() / spacing).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("name", "torch_opt", "kwargs"), GRAFTING_CASES, ids=[c[0] for c in GRAFTING_CASES]
+)
+def test_never_preconditioning_equals_torch_optim(
+    name: str,
+    torch_opt: Callable[[Any], torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+) -> None:
+    # Lockstep: after each step Shampoo's parameters are compared with torch's and then
+    # overwritten by them, so each step is judged on its own (no accumulated drift).
+    x, y = _data(dtype)
+    ma, mb = _model(dtype), _model(dtype)
+    oa = torch_opt(ma.parameters())
+    ob = Shampoo(
+        mb.parameters(),
+        **{"lr": 0.01, **kwargs},
+        precondition_frequency=NEVER,
+        max_preconditioner_dim=4,
+    )
+    worst = 0.0
+    for _ in range(8):
+        before = [p.detach().clone() for p in ma.parameters()]
+        for m, o in ((ma, oa), (mb, ob)):
+            o.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+        for pa, pb, p0 in zip(ma.parameters(), mb.parameters(), before, strict=True):
+            worst = max(worst, _ulps(pb.detach(), pa.detach(), p0))
+            with torch.no_grad():
+                pb.copy_(pa)
+    if name.startswith("sgd"):
+        assert worst == 0.0  # the same operations in the same order: bitwise
+    else:
+        # torch folds lr and the bias correction into one addcdiv; Shampoo forms the
+        # direction first: measured at most 3 ulps per step.
+        assert worst <= 4.0, worst
+
+
+def test_eigenvalue_corrected_with_identity_basis_is_adam() -> None:
+    # The basis starts as the identity; never refreshing it leaves Adam in disguise.
+    dtype = torch.float64
+    want = _train(_model(dtype), lambda ps: torch.optim.Adam(ps, lr=0.01, eps=1e-8), 8, dtype)
+    got = _train(
+        _model(dtype),
+        lambda ps: Shampoo(
+            ps,
+            lr=0.01,
+            betas=(0.9, 0.999),
+            epsilon=1e-8,
+            preconditioner="eigenvalue_corrected",
+            precondition_frequency=NEVER,
+        ),
+        8,
+        dtype,
+    )
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-15)
+
+
+def test_eigenvalue_corrected_diagonal_factors_rotate_exactly() -> None:
+    # Diagonal gradients of growing magnitude keep every factor diagonal with ascending
+    # entries, so eigh returns signed unit vectors and SOAP must still equal Adam.
+    W = nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))
+    V = nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))
+    opt = Shampoo(
+        [W],
+        lr=0.01,
+        betas=(0.9, 0.999),
+        epsilon=1e-8,
+        preconditioner="eigenvalue_corrected",
+        max_preconditioner_dim=4,  # keep (4, 4): two 4x4 diagonal factors
+    )
+    ref = torch.optim.Adam([V], lr=0.01, eps=1e-8)
+    for t in range(1, 6):
+        g = torch.diag(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64) * t)
+        W.grad, V.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    Q = opt.state[W]["block0.eigenvectors0"]
+    assert torch.equal(Q.abs(), torch.eye(4, dtype=torch.float64))
+    torch.testing.assert_close(W, V, rtol=1e-14, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------------------
+# A hand-written float64 reference of the six steps, block by block, no batching.
+# Blocks with max_preconditioner_dim=4 (worked by hand):
+#   weight (5, 6): 5·6 > 4, no merge; rows [0:4], [4:5] × columns [0:4], [4:6]
+#   bias (5,): [0:4], [4:5];  weight (3, 5): columns [0:4], [4:5];  bias (3,): one block
+BLOCKS = {
+    0: [
+        (slice(0, 4), slice(0, 4)),
+        (slice(0, 4), slice(4, 6)),
+        (slice(4, 5), slice(0, 4)),
+        (slice(4, 5), slice(4, 6)),
+    ],
+    1: [(slice(0, 4),), (slice(4, 5),)],
+    2: [(slice(0, 3), slice(0, 4)), (slice(0, 3), slice(4, 5))],
+    3: [(slice(0, 3),)],
+}
+
+
+def _reference(model: nn.Module, steps: int, hp: dict[str, Any]) -> torch.Tensor:
+    x, y = _data(torch.float64)
+    params = list(model.parameters())
+    b1, b2 = hp["betas"]
+    gb2, geps = 0.999, 1e-8
+    eps, wd, mu, lr = hp["epsilon"], hp["weight_decay"], hp["momentum"], hp["lr"]
+    freq, start = hp["precondition_frequency"], hp["start_preconditioning_step"]
+    st: dict[tuple[int, int], dict[str, Any]] = {}
+    for t in range(1, steps + 1):
+        for p in params:
+            p.grad = None
+        ((model(x) - y) ** 2).mean().backward()
+        updates = []
+        for pi, p in enumerate(params):
+            for bi, sl in enumerate(BLOCKS[pi]):
+                W = p.detach()[sl].clone()
+                G = p.grad[sl].clone()
+                s = st.setdefault(
+                    (pi, bi),
+                    {
+                        "F": [torch.zeros(d, d, dtype=torch.float64) for d in G.shape],
+                        "R": [torch.eye(d, dtype=torch.float64) for d in G.shape],
+                        "M": torch.zeros_like(G),
+                        "V": torch.zeros_like(G),
+                        "buf": torch.zeros_like(G),
+                    },
+                )
+                r = G.ndim
+                # 1. L2 weight decay
+                if not hp["use_decoupled_weight_decay"]:
+                    G = G + wd * W
+                # 2. factors and grafting state
+                for k in range(r):
+                    Gk = G.movedim(k, 0).reshape(G.shape[k], -1)
+                    # β₂ = 1: a plain sum (AdaGrad), with no bias correction
+                    w = 1.0 if b2 == 1.0 else 1 - b2
+                    s["F"][k] = b2 * s["F"][k] + w * Gk @ Gk.T
+                s["V"] = gb2 * s["V"] + (1 - gb2) * G * G
+                # 3. roots
+                if (t % freq == 0 and t > start) or t == start:
+                    for k in range(r):
+                        d = G.shape[k]
+                        bc2 = 1.0 if b2 == 1.0 else 1 - b2**t
+                        A = s["F"][k] / bc2 + eps * torch.eye(d, dtype=torch.float64)
+                        L, Q = torch.linalg.eigh(A)
+                        if L.min() < eps:
+                            L = L - L.min() + eps
+                        s["R"][k] = Q @ torch.diag(L ** (-1.0 / (2 * r))) @ Q.T
+                # 4. first moment
+                s["M"] = b1 * s["M"] + (1 - b1) * G
+                Mh = s["M"] / (1 - b1**t)
+                # 5. direction
+                graft = Mh / (torch.sqrt(s["V"] / (1 - gb2**t)) + geps)
+                if t < start:
+                    P = graft
+                else:
+                    P = Mh
+                    for k in range(r):
+                        P = torch.tensordot(s["R"][k], P.movedim(k, 0), dims=([1], [0])).movedim(
+                            0, k
+                        )
+                    P = P * torch.linalg.norm(graft) / torch.linalg.norm(P)
+                # 6. decoupled weight decay, momentum, update
+                if hp["use_decoupled_weight_decay"]:
+                    P = P + wd * W
+                s["buf"] = mu * s["buf"] + P
+                P = P + mu * s["buf"] if hp["use_nesterov"] else s["buf"]
+                updates.append((p, sl, W - lr * P))
+        with torch.no_grad():
+            for p, sl, new in updates:
+                p[sl] = new
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+REFERENCE_CASES = [
+    dict(
+        # epsilon 1e-6, not smaller: the (1, 4) blocks' 4x4 factors are rank deficient in
+        # the first steps, and eigh's rounding of their null space (1e-16·‖F‖) relative
+        # to epsilon is what limits the agreement of two correct implementations.
+        lr=0.05,
+        betas=(0.9, 0.99),
+        epsilon=1e-6,
+        weight_decay=0.01,
+        use_decoupled_weight_decay=True,
+        momentum=0.5,
+        use_nesterov=False,
+        precondition_frequency=2,
+        start_preconditioning_step=2,
+    ),
+    dict(
+        lr=0.05,
+        betas=(0.5, 1.0),
+        epsilon=1e-6,
+        weight_decay=0.02,
+        use_decoupled_weight_decay=False,
+        momentum=0.9,
+        use_nesterov=True,
+        precondition_frequency=1,
+        start_preconditioning_step=3,
+    ),
+]
+
+
+@pytest.mark.parametrize("hp", REFERENCE_CASES)
+def test_six_steps_equal_hand_written_float64_reference(hp: dict[str, Any]) -> None:
+    want = _reference(_model(torch.float64), 6, hp)
+    got = _train(
+        _model(torch.float64),
+        lambda ps: Shampoo(
+            ps,
+            **hp,
+            max_preconditioner_dim=4,
+            grafting_config=AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+        ),
+        6,
+        torch.float64,
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert not torch.equal(got, _reference(_model(torch.float64), 0, hp))  # it moved
+
+
+def test_blocks_of_one_shape_share_one_batch() -> None:
+    model = _model(torch.float64)
+    opt = Shampoo(model.parameters(), max_preconditioner_dim=4)
+    _train(model, lambda ps: opt, 1, torch.float64)
+    shapes = sorted((b.shape, len(b.blocks)) for b in opt._batches)
+    assert shapes == [
+        ((1,), 1),
+        ((1, 2), 1),
+        ((1, 4), 1),
+        ((3,), 1),
+        ((3, 1), 1),
+        ((3, 4), 1),
+        ((4,), 1),
+        ((4, 2), 1),
+        ((4, 4), 1),
+    ]
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)).double()
+    opt = Shampoo(model.parameters(), max_preconditioner_dim=4)
+    opt._build()
+    # Two 8x8 weights: merged 64 > 4, so four (4, 4) blocks each, stacked into one batch of 8.
+    assert [(b.shape, len(b.blocks)) for b in opt._batches] == [((4, 4), 8)]
+
+
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(
+            grafting_config=AdamGraftingConfig(),
+            betas=(0.9, 0.999),
+            momentum=0.9,
+            weight_decay=0.01,
+        ),
+        dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.999), factor_dtype=torch.float64),
+        dict(
+            root_inv_config=CoupledNewtonConfig(),
+            epsilon=1e-6,  # Newton diverges on the exactly singular factors of the (1, 4) blocks
+            grafting_config=AdaGradGraftingConfig(),
+            precondition_frequency=2,
+        ),
+    ],
+)
+def test_state_dict_resume_is_bitwise_with_weights_only(kwargs: dict[str, Any]) -> None:
+    x, y = _data(torch.float32)
+
+    def run(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+
+    a = _model(torch.float32)
+    oa = Shampoo(a.parameters(), max_preconditioner_dim=4, **kwargs)
+    run(a, oa, 3)
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": oa.state_dict()}, buf)
+    run(a, oa, 3)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    b = _model(torch.float32, seed=5)
+    b.load_state_dict(ckpt["model"])
+    ob = Shampoo(b.parameters(), max_preconditioner_dim=4, **kwargs)
+    ob.load_state_dict(ckpt["opt"])
+    run(b, ob, 3)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    if "factor_dtype" in kwargs:  # not cast to the parameter's float32 on load
+        assert ob.state[next(b.parameters())]["block0.factor0"].dtype == torch.float64
+
+
+def test_load_refuses_another_rank_layout() -> None:
+    m = _model(torch.float32)
+    opt = Shampoo(m.parameters())
+    sd = opt.state_dict()
+    sd["shampoo"] = {"rank": 1, "world_size": 2}
+    with pytest.raises(
+        ValueError, match=r"saved by rank 1 of 2, but this optimizer is rank 0 of 1"
+    ):
+        opt.load_state_dict(sd)
+
+
+def test_param_groups_have_their_own_hyperparameters() -> None:
+    dtype = torch.float64
+    m1, m2 = _model(dtype), _model(dtype)
+    want = _train(
+        m1,
+        lambda ps: torch.optim.SGD(
+            [{"params": list(ps)[:2], "lr": 0.1}, {"params": list(m1.parameters())[2:], "lr": 0.01}]
+        ),
+        3,
+        dtype,
+    )
+    got = _train(
+        m2,
+        lambda ps: Shampoo(
+            [
+                {"params": list(m2.parameters())[:2], "lr": 0.1},
+                {"params": list(m2.parameters())[2:]},
+            ],
+            lr=0.01,
+            betas=(0.0, 1.0),
+            grafting_config=SGDGraftingConfig(),
+            precondition_frequency=NEVER,
+        ),
+        3,
+        dtype,
+    )
+    assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------------------
+def test_non_finite_gradient_raises_before_any_change() -> None:
+    m = _model(torch.float32)
+    opt = Shampoo(m.parameters(), grafting_config=AdamGraftingConfig())
+    _train(m, lambda ps: opt, 2, torch.float32)
+    before = {k: v.clone() for k, v in opt.state[next(m.parameters())].items()}
+    params = [p.clone() for p in m.parameters()]
+    m[2].weight.grad[0, 0] = float("nan")
+    with pytest.raises(
+        FloatingPointError,
+        match=r"non-finite gradient .* param_groups\[0\]\['params'\]\[2\] \(shape \(3, 5\)\); "
+        "no state was changed",
+    ):
+        opt.step()
+    for k, v in opt.state[next(m.parameters())].items():
+        assert torch.equal(v, before[k])
+    for p, q in zip(m.parameters(), params, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_failed_root_keeps_previous_with_warning_naming_parameter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import secondorder.shampoo.root_inverse as ri
+
+    m = nn.Linear(3, 2, bias=False)
+    opt = Shampoo(
+        [{"params": [m.weight], "param_names": ["enc.weight"]}],
+        grafting_config=AdamGraftingConfig(),
+        max_preconditioner_dim=3,  # one (2, 3) block
+        num_tolerated_failed_amortized_computations=1,
+    )
+    x = torch.randn(8, 3)
+    m(x).square().mean().backward()
+    opt.step()
+    root = opt.state[m.weight]["block0.root0"].clone()
+
+    def broken(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("linalg.eigh: failed to converge")
+
+    monkeypatch.setattr(ri, "_eigh", broken)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"block 0 \(factors \[0, 1\]\) of parameter 'enc.weight' \(shape \(2, 3\)\) "
+        "failed at step 2 even in float64; keeping its previous root",
+    ):
+        opt.step()
+    assert torch.equal(opt.state[m.weight]["block0.root0"], root)
+    with pytest.raises(
+        RuntimeError,
+        match=r"failed 2 times in a row, more than num_tolerated_failed_amortized_computations=1",
+    ):
+        opt.step()
+
+
+def test_pseudo_inverse_trains_rank_deficient_factors() -> None:
+    # One sample: every factor has rank 1; the pseudo-inverse needs no epsilon.
+    m = _model(torch.float64)
+    x, y = _data(torch.float64, n=1)
+    opt = Shampoo(
+        m.parameters(),
+        epsilon=0.0,
+        root_inv_config=EigenConfig(pseudo_inverse=True),
+        grafting_config=SGDGraftingConfig(),
+    )
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert losses[-1] < losses[0]
+
+
+BAD = [
+    (dict(lr=-1.0), ValueError, r"Invalid lr=-1.0: must be in \[0.0, inf\)"),
+    (dict(betas=(1.0, 0.9)), ValueError, r"Invalid betas\[0\]=1.0: must be in \[0.0, 1.0\)"),
+    (dict(betas=(0.9, 1.5)), ValueError, r"Invalid betas\[1\]=1.5: must be in \[0.0, 1.0\]"),
+    (dict(betas=(0.9,)), ValueError, r"Invalid betas=\(0.9,\): must be a pair"),
+    (dict(epsilon=0.0), ValueError, r"Invalid epsilon=0.0: must be in \(0.0, inf\)"),
+    (dict(epsilon=-1.0), ValueError, r"Invalid epsilon=-1.0"),
+    (dict(momentum=1.0), ValueError, r"Invalid momentum=1.0: must be in \[0.0, 1.0\)"),
+    (dict(dampening=-0.1), ValueError, r"Invalid dampening=-0.1"),
+    (
+        dict(use_nesterov=True),
+        ValueError,
+        r"use_nesterov=True needs momentum > 0 and dampening = 0",
+    ),
+    (dict(use_nesterov=1), TypeError, r"Invalid use_nesterov=1: must be True or False"),
+    (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay=-0.1"),
+    (
+        dict(use_decoupled_weight_decay="yes"),
+        TypeError,
+        r"Invalid use_decoupled_weight_decay='yes'",
+    ),
+    (dict(use_bias_correction=None), TypeError, r"Invalid use_bias_correction=None"),
+    (
+        dict(max_preconditioner_dim=0),
+        ValueError,
+        r"Invalid max_preconditioner_dim=0: must be an integer >= 1 or math.inf",
+    ),
+    (dict(max_preconditioner_dim=2.5), ValueError, r"Invalid max_preconditioner_dim=2.5"),
+    (
+        dict(precondition_frequency=0),
+        ValueError,
+        r"Invalid precondition_frequency=0: must be an integer >= 1",
+    ),
+    (
+        dict(precondition_frequency=10, start_preconditioning_step=5),
+        ValueError,
+        r"Invalid start_preconditioning_step=5: must be >= precondition_frequency=10",
+    ),
+    (
+        dict(start_preconditioning_step=0),
+        ValueError,
+        r"Invalid start_preconditioning_step=0: must be an integer >= 1",
+    ),
+    (
+        dict(num_tolerated_failed_amortized_computations=-1),
+        ValueError,
+        r"Invalid num_tolerated_failed_amortized_computations=-1",
+    ),
+    (
+        dict(grafting_config="adam"),
+        TypeError,
+        r"Invalid grafting_config='adam': must be None or one of SGDGraftingConfig",
+    ),
+    (
+        dict(preconditioner="soap"),
+        ValueError,
+        r"Invalid preconditioner='soap': must be one of \('root_inverse', 'eigenvalue_corrected'\)",
+    ),
+    (
+        dict(root_inv_config="eigh"),
+        TypeError,
+        r"Invalid root_inv_config='eigh': must be EigenConfig",
+    ),
+    (
+        dict(root_inv_config=EigenConfig(pseudo_inverse=True)),
+        ValueError,
+        r"Invalid epsilon=1e-12: must be 0.0 with EigenConfig\(pseudo_inverse=True\)",
+    ),
+    (
+        dict(factor_dtype=torch.float16),
+        ValueError,
+        r"Invalid factor_dtype=torch.float16: must be None",
+    ),
+    (dict(communication_dtype=torch.int32), ValueError, r"Invalid communication_dtype=torch.int32"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "match"), BAD)
+def test_bad_arguments_are_named(kwargs: dict[str, Any], exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        Shampoo(_model(torch.float32).parameters(), **kwargs)
+
+
+def test_bad_config_fields_are_named() -> None:
+    with pytest.raises(
+        ValueError, match=r"Invalid AdamGraftingConfig.beta2=1.0: must be in \(0.0, 1.0\)"
+    ):
+        AdamGraftingConfig(beta2=1.0)
+    with pytest.raises(ValueError, match=r"Invalid RMSpropGraftingConfig.epsilon=0.0"):
+        RMSpropGraftingConfig(epsilon=0.0)
+    with pytest.raises(ValueError, match=r"Invalid AdaGradGraftingConfig.epsilon=-1"):
+        AdaGradGraftingConfig(epsilon=-1)
+    with pytest.raises(
+        TypeError, match=r"Invalid AdaGradGraftingConfig.epsilon='x': must be a real number"
+    ):
+        AdaGradGraftingConfig(epsilon="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Invalid CoupledNewtonConfig.max_iterations=0"):
+        CoupledNewtonConfig(max_iterations=0)
+    with pytest.raises(ValueError, match=r"Invalid CoupledNewtonConfig.tolerance=0.0"):
+        CoupledNewtonConfig(tolerance=0.0)
+    with pytest.raises(ValueError, match=r"Invalid EigenConfig.rank_rtol=2.0"):
+        EigenConfig(rank_rtol=2.0)
+    with pytest.raises(TypeError, match=r"Invalid EigenConfig.pseudo_inverse=1"):
+        EigenConfig(pseudo_inverse=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Invalid EigenConfig.retry_double_precision=0"):
+        EigenConfig(retry_double_precision=0)  # type: ignore[arg-type]
+    from secondorder.shampoo.config import config_from_dict
+
+    with pytest.raises(
+        ValueError, match=r"cannot rebuild a Shampoo configuration from \{'type': 'Nope'\}"
+    ):
+        config_from_dict({"type": "Nope"})
+
+
+def test_structural_change_after_first_step_and_integer_params_are_refused() -> None:
+    m = _model(torch.float32)
+    opt = Shampoo(m.parameters())
+    _train(m, lambda ps: opt, 1, torch.float32)
+    opt.param_groups[0]["max_preconditioner_dim"] = 2
+    with pytest.raises(
+        ValueError, match=r"param_groups\[0\] changed one of \('max_preconditioner_dim'"
+    ):
+        _train(m, lambda ps: opt, 1, torch.float32)
+    with pytest.raises(
+        TypeError,
+        match=r"Shampoo optimizes floating-point parameters; got one of dtype torch.int64",
+    ):
+        Shampoo([torch.zeros(3, dtype=torch.int64)])
+    p = nn.Parameter(torch.zeros(3))
+    p.grad = torch.zeros(3).to_sparse()
+    with pytest.raises(TypeError, match="does not support sparse gradients"):
+        Shampoo([p]).step()
+    p.grad = torch.full((3,), float("inf"))
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        Shampoo([p]).step()
+
+
+def test_parameters_without_gradient_are_skipped_within_a_batch() -> None:
+    # w1, w2, w3 share one block shape, so they share a batch; w2 never gets a gradient.
+    torch.manual_seed(3)
+    w1, w2, w3 = (nn.Parameter(torch.randn(4, 4, dtype=torch.float64)) for _ in range(3))
+    v1, v3 = nn.Parameter(w1.detach().clone()), nn.Parameter(w3.detach().clone())
+    w2_before = w2.detach().clone()
+    kw: dict[str, Any] = dict(max_preconditioner_dim=4, grafting_config=AdamGraftingConfig())
+    oa, ob = Shampoo([w1, w2, w3], **kw), Shampoo([v1, v3], **kw)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for _ in range(4):
+        for o, (a, b) in ((oa, (w1, w3)), (ob, (v1, v3))):
+            o.zero_grad()
+            (x @ a @ b).square().mean().backward()
+            o.step()
+    assert [len(b.blocks) for b in oa._batches] == [3]
+    assert torch.equal(w1, v1) and torch.equal(w3, v3)
+    assert torch.equal(w2, w2_before)
+    assert not oa.state[w2]["block0.factor0"].any()
+
+
+def test_named_parameters_name_the_culprit() -> None:
+    m = _model(torch.float32)
+    opt = Shampoo(m.named_parameters())
+    x, y = _data(torch.float32)
+    ((m(x) - y) ** 2).mean().backward()
+    m[0].bias.grad[0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"parameter '0.bias' \(shape \(5,\)\)"):
+        opt.step()

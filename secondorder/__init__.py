@@ -8,6 +8,8 @@ One package per family, sharing one distributed layer and one training loop:
   functional counterparts for fitting the parameters of a model function;
 * :mod:`secondorder.kfac`: :class:`KFAC`, a Kronecker-factored preconditioner with
   KAISA's distribution strategies, and :class:`KFACOptimizer` (K-FAC + SGD);
+* :mod:`secondorder.shampoo`: :class:`Shampoo`, Distributed Shampoo and its
+  eigenbasis variant SOAP, blocks shared among data-parallel ranks;
 * :mod:`secondorder.training`: :func:`fit`, the training loop;
 * :mod:`secondorder.distributed`: reducers over processes and devices, used by every
   family; :mod:`secondorder.testing`: the multi-process launcher their tests share.
@@ -16,7 +18,7 @@ One package per family, sharing one distributed layer and one training loop:
 import sys as _sys
 from importlib import import_module as _import_module
 
-from . import distributed, fitting, kfac, lm, training
+from . import distributed, fitting, kfac, lm, shampoo, training
 from .fitting import (
     FitReport,
     OptimizeResult,
@@ -41,6 +43,15 @@ from .lm import (
     planner,
     residuals,
 )
+from .shampoo import (
+    AdaGradGraftingConfig,
+    AdamGraftingConfig,
+    CoupledNewtonConfig,
+    EigenConfig,
+    RMSpropGraftingConfig,
+    SGDGraftingConfig,
+    Shampoo,
+)
 from .training import (
     Callback,
     CSVLogger,
@@ -55,8 +66,12 @@ from .training import (
 
 __all__ = [
     "KFAC",
+    "AdaGradGraftingConfig",
+    "AdamGraftingConfig",
     "CSVLogger",
     "Callback",
+    "CoupledNewtonConfig",
+    "EigenConfig",
     "EpochRecord",
     "FitReport",
     "History",
@@ -67,6 +82,9 @@ __all__ = [
     "ModelResidual",
     "OptimizeResult",
     "PlanError",
+    "RMSpropGraftingConfig",
+    "SGDGraftingConfig",
+    "Shampoo",
     "StepInfo",
     "StepRecord",
     "StepResult",
@@ -87,6 +105,7 @@ __all__ = [
     "lm",
     "planner",
     "residuals",
+    "shampoo",
     "standard_errors",
     "training",
 ]

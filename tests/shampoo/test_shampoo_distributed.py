@@ -20,9 +20,7 @@ from secondorder.distributed import LocalReducer
 from secondorder.shampoo import AdamGraftingConfig, Shampoo
 from secondorder.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
-)
+pytestmark = pytest.mark.distributed
 
 STEPS = 5
 

@@ -1,19 +1,19 @@
 """Fitting the parameters of a model function: scipy's ``least_squares`` and ``curve_fit``.
 
 Both run the Levenberg-Marquardt engine of :mod:`secondorder.lm` on a flat parameter
-vector; :func:`fit_report` summarises a ``curve_fit`` result with standard errors and
-correlations.
+vector; :func:`fit_report` summarises a result with standard errors and correlations.
+
+Modules: :mod:`.least_squares` (the driver: check, build, run, report) over
+:mod:`.functions` (the user's fun and jac as tensors), :mod:`.losses` (robust ρ),
+:mod:`.bounds` (the change of variables), :mod:`.problem` (what the engine solves) and
+:mod:`.result`; :mod:`.curve_fit` on top of it; :mod:`.report` for covariances and
+fit reports.
 """
 
-from .curve_fit import (
-    FitReport,
-    correlation,
-    covariance,
-    curve_fit,
-    fit_report,
-    standard_errors,
-)
-from .least_squares import OptimizeResult, least_squares
+from .curve_fit import curve_fit
+from .least_squares import least_squares
+from .report import FitReport, correlation, covariance, fit_report, standard_errors
+from .result import OptimizeResult
 
 __all__ = [
     "FitReport",

@@ -1,0 +1,145 @@
+"""Box bounds ``lb ≤ x ≤ ub`` as a change of variables ``x = x(y)`` over an unbounded ``y``.
+
+As in MINUIT and lmfit, each bounded coordinate is a smooth function of a free one:
+
+* two-sided: ``x = lb + (ub - lb)(sin y + 1)/2``;
+* lower only: ``x = lb - 1 + √(y² + 1)``;
+* upper only: ``x = ub + 1 - √(y² + 1)``.
+
+The solver works in ``y``, so every iterate is feasible and a bound is reached exactly
+(where ``x'(y) = 0``).  :func:`parse_bounds` reads the user's ``bounds`` argument;
+:class:`BoxTransform` maps between ``x`` and ``y`` and reports which bounds are active.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["BoxTransform", "parse_bounds"]
+
+
+def parse_bounds(bounds: Any, n: int) -> tuple[Tensor, Tensor]:
+    """``(lb, ub)`` as float64 tensors of shape ``(n,)`` from scipy's forms of ``bounds``.
+
+    Accepts ``None`` (unbounded), a pair of scalars or length-``n`` arrays (``±inf`` for
+    no bound), or a ``scipy.optimize.Bounds``; requires ``lb < ub`` elementwise.
+    """
+    if bounds is None:
+        bounds = (-math.inf, math.inf)
+    if hasattr(bounds, "lb") and hasattr(bounds, "ub"):  # scipy.optimize.Bounds
+        bounds = (bounds.lb, bounds.ub)
+    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        raise ValueError(f"bounds must be a pair (lb, ub), got {bounds!r}")
+    lb, ub = (_bound_vector(name, b, n) for name, b in zip(("lb", "ub"), bounds, strict=True))
+    bad = lb >= ub
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(
+            f"Each lower bound must be strictly less than each upper bound: "
+            f"lb[{i}]={float(lb[i])!r} >= ub[{i}]={float(ub[i])!r}"
+        )
+    return lb, ub
+
+
+def _bound_vector(name: str, b: Any, n: int) -> Tensor:
+    """One side of the bounds, broadcast from a scalar, checked for shape and NaN."""
+    try:
+        t = torch.as_tensor(np.asarray(b, dtype=np.float64), dtype=torch.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bounds {name} must be numbers, got {b!r}") from exc
+    if t.ndim == 0:
+        t = t.expand(n).clone()
+    if t.shape != (n,):
+        raise ValueError(
+            f"bounds {name} must be a scalar or have shape ({n},), got {tuple(t.shape)}"
+        )
+    if bool(torch.isnan(t).any()):
+        raise ValueError(f"bounds {name} contains NaN: {t.tolist()}")
+    return t
+
+
+class BoxTransform:
+    """The map ``y ↦ x`` for box bounds, its inverse and derivatives (identity if unbounded).
+
+    Attributes:
+        lb, ub: the bounds (``±inf`` where a side is open).
+        lo, hi, both: where a lower bound, an upper bound, or both are finite.
+        any: whether any coordinate is bounded at all.
+    """
+
+    def __init__(self, lb: Tensor, ub: Tensor) -> None:
+        self.lb, self.ub = lb, ub
+        self.lo = torch.isfinite(lb)
+        self.hi = torch.isfinite(ub)
+        self.both = self.lo & self.hi
+        self.any = bool((self.lo | self.hi).any())
+
+    def _finite_ends(self) -> tuple[Tensor, Tensor]:
+        """The bounds with their infinite ends replaced by 0 (masked out by ``where``)."""
+        lb = torch.where(self.lo, self.lb, torch.zeros_like(self.lb))
+        ub = torch.where(self.hi, self.ub, torch.zeros_like(self.ub))
+        return lb, ub
+
+    def to_x(self, y: Tensor) -> Tensor:
+        """The feasible point ``x(y)``."""
+        if not self.any:
+            return y
+        lb, ub = self._finite_ends()
+        root = torch.sqrt(y * y + 1)
+        two = lb + (ub - lb) * (torch.sin(y) + 1) / 2
+        low = lb - 1 + root
+        high = ub + 1 - root
+        return torch.where(self.both, two, torch.where(self.lo, low, torch.where(self.hi, high, y)))
+
+    def to_y(self, x: Tensor) -> Tensor:
+        """A ``y`` with ``x(y) = x``: ``y ≥ 0``, or ``|y| ≤ π/2`` where two-sided."""
+        if not self.any:
+            return x
+        lb, ub = self._finite_ends()
+        width = torch.where(self.both, ub - lb, torch.ones_like(ub))
+        two = torch.arcsin(torch.clamp(2 * (x - lb) / width - 1, -1.0, 1.0))
+        low = torch.sqrt(torch.clamp((x - lb + 1) ** 2 - 1, min=0.0))
+        high = torch.sqrt(torch.clamp((ub - x + 1) ** 2 - 1, min=0.0))
+        return torch.where(self.both, two, torch.where(self.lo, low, torch.where(self.hi, high, x)))
+
+    def derivatives(self, y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x'(y), x''(y))`` elementwise (ones and zeros where x is unbounded)."""
+        width = torch.where(self.both, self.ub - self.lb, torch.zeros_like(self.ub))
+        root = torch.sqrt(y * y + 1)
+        one, zero = torch.ones_like(y), torch.zeros_like(y)
+        d1 = torch.where(
+            self.both,
+            width * torch.cos(y) / 2,
+            torch.where(self.lo, y / root, torch.where(self.hi, -y / root, one)),
+        )
+        d2 = torch.where(
+            self.both,
+            -width * torch.sin(y) / 2,
+            torch.where(self.lo, root**-3, torch.where(self.hi, -(root**-3), zero)),
+        )
+        return d1, d2
+
+    def strictly_feasible(self, x: Tensor) -> Tensor:
+        """Move points on a bound slightly inside, where the change of variables has slope."""
+        step = 1e-10 * torch.clamp(x.abs(), min=1.0)
+        x = torch.where(self.lo & (x <= self.lb), self.lb + step, x)
+        x = torch.where(self.hi & (x >= self.ub), self.ub - step, x)
+        return torch.where(self.both & (self.ub - self.lb <= 2 * step), (self.lb + self.ub) / 2, x)
+
+    def active(self, x: Tensor, tol: float = 1e-10) -> Tensor:
+        """The ``active_mask`` of scipy: -1 on an active lower bound, 1 on an upper one, else 0."""
+        scale = tol * torch.clamp(x.abs(), min=1.0)
+        mask = torch.zeros_like(x, dtype=torch.int64)
+        mask = torch.where(self.lo & (x - self.lb <= scale), -1, mask)
+        return torch.where(self.hi & (self.ub - x <= scale), 1, mask)
+
+    def cl_scale(self, x: Tensor, g: Tensor) -> Tensor:
+        """Coleman-Li scaling, as scipy's "trf" reports optimality under bounds."""
+        v = torch.ones_like(x)
+        v = torch.where((g < 0) & self.hi, self.ub - x, v)
+        return torch.where((g > 0) & self.lo, x - self.lb, v)

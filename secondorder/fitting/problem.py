@@ -1,0 +1,191 @@
+"""The least-squares problem in the free variable ``y``, as the LM engine sees it.
+
+:class:`FunctionProblem` evaluates ``f(x(y))`` and linearises it into the
+:class:`~secondorder.lm.linalg.NormalEquations` the engine solves.  Two corrections make
+the Gauss-Newton model right for :func:`~secondorder.fitting.least_squares`:
+
+* a robust loss rescales each residual and row of J (Triggs' correction) so that the
+  model's gradient is the loss's exact gradient and its curvature keeps the loss's
+  second-order term where that is positive;
+* bounds enter through the chain rule ``∂f/∂y = J·diag(x'(y))``, plus the transform's
+  own curvature as extra rows (see :meth:`FunctionProblem.linearize`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..lm.linalg import NormalEquations
+from .bounds import BoxTransform
+from .losses import doubled_cost, rho
+
+__all__ = ["FunctionProblem", "is_finite_system"]
+
+
+def is_finite_system(system: NormalEquations) -> bool:
+    """Whether the linearisation holds finite numbers only (J, Jᵀr, column norms)."""
+    parts = [system.grad, system.col_sq] + ([system.jac] if system.jac is not None else [])
+    return all(bool(torch.isfinite(t).all()) for t in parts)
+
+
+class FunctionProblem:
+    """Residuals ``f(x(y))``, their linearisation and second derivative, with counts.
+
+    Implements the engine's :class:`~secondorder.lm.engine.Problem` protocol plus
+    :meth:`residuals` and :meth:`linearize`.
+
+    Attributes:
+        nfev, njev: residual and Jacobian evaluations so far (cached repeats and
+            finite-difference evaluations are not counted).
+        last: the last point evaluated and its residuals, so an accepted trial is not
+            evaluated twice.
+        row_scale: Triggs' row scaling of the last linearisation (robust losses), else
+            ``None``.
+        extra_rows: rows appended to J for the curvature of the bounds' transform.
+    """
+
+    def __init__(
+        self,
+        fun: Callable[[Tensor], Tensor],
+        jac: Callable[[Tensor], Tensor],
+        bounds: BoxTransform,
+        loss: str,
+        f_scale: float,
+        *,
+        need_gram: bool,
+        differentiable: bool,
+    ) -> None:
+        self.fun = fun
+        self.need_gram = need_gram
+        self.differentiable = differentiable
+        self.jac = jac
+        self.bounds = bounds
+        self.loss = loss
+        self.f_scale = f_scale
+        self.nfev = 0
+        self.njev = 0
+        self.last: tuple[Tensor, Tensor] | None = None
+        self.row_scale: Tensor | None = None
+        self.extra_rows = 0
+
+    def cost2(self, f: Tensor) -> Tensor:
+        """``2·cost = f_scale² Σ ρ((f/f_scale)²)`` of residuals ``f``."""
+        return doubled_cost(f, self.loss, self.f_scale)
+
+    def residuals(self, y: Tensor) -> Tensor:
+        """``f(x(y))``, flat float64, detached; a repeat of the last point is free."""
+        if self.last is not None and torch.equal(self.last[0], y):
+            return self.last[1]
+        self.nfev += 1
+        # Values only: a fun closing over tensors that require grad must not drag a
+        # graph along (autograd is used inside the Jacobian transforms alone).
+        f = self.fun(self.bounds.to_x(y)).detach()
+        self.last = (y.clone(), f)
+        return f
+
+    def loss_sum(self, y: Tensor) -> Tensor:
+        """``2·cost`` at ``y``, or ``inf`` where a residual is not finite (a rejected step)."""
+        f = self.residuals(y)
+        return self.cost2(f) if bool(torch.isfinite(f).all()) else torch.tensor(math.inf)
+
+    def linearize(self, y: Tensor, f: Tensor) -> NormalEquations:
+        """The normal equations of the model ``r + Js·δy`` at ``y`` with residuals ``f``.
+
+        Bounds: Gauss-Newton would drop the transform's own curvature ``g_x·x''(y)``,
+        but at an active bound that term is all the curvature there is (J's column
+        vanishes with ``x'(y)``), and without it every step towards the bound
+        overshoots.  Where it is positive it enters as an extra row ``√(g_x·x'')·eᵢ``
+        with residual 0, which adds it to ``diag(JᵀJ)`` and leaves ``Jᵀr`` unchanged.
+        """
+        self.njev += 1
+        J = self.jac(self.bounds.to_x(y)).detach()
+        r, Js = self._robust_rows(f, J)
+        scale_sq = None if self.row_scale is None else (J * J).sum(0)
+        self.extra_rows = 0
+        if self.bounds.any:
+            Js, r, scale_sq = self._through_bounds(y, J, Js, r, scale_sq)
+        return NormalEquations(
+            loss_sum=self.cost2(f),
+            count=f.numel(),
+            grad=Js.T @ r,
+            col_sq=(Js * Js).sum(0),
+            gram=Js.T @ Js if self.need_gram else None,
+            jac=Js,
+            residuals=r,
+            scale_sq=scale_sq,
+        )
+
+    def _robust_rows(self, f: Tensor, J: Tensor) -> tuple[Tensor, Tensor]:
+        """Triggs' rescaled ``(r, Js)`` for a robust loss (``(f, J)`` for the linear one)."""
+        self.row_scale = None
+        if self.loss == "linear":
+            return f, J
+        z = (f / self.f_scale) ** 2
+        _, rho1, rho2 = rho(self.loss, z)
+        scale = torch.clamp(rho1 + 2 * rho2 * z, min=torch.finfo(f.dtype).eps).sqrt()
+        self.row_scale = scale
+        return f * rho1 / scale, J * scale[:, None]
+
+    def _through_bounds(
+        self, y: Tensor, J: Tensor, Js: Tensor, r: Tensor, scale_sq: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(Js, r, scale_sq)`` by the chain rule through ``x(y)``, with curvature rows."""
+        d1, d2 = self.bounds.derivatives(y)
+        curv = torch.clamp((Js.T @ r) * d2, min=0.0)
+        J, Js = J * d1, Js * d1
+        scale_sq = None if scale_sq is None else (J * J).sum(0)
+        rows = torch.nonzero(curv > 0).flatten()
+        if rows.numel() > 0:
+            extra = torch.zeros(rows.numel(), Js.shape[1], dtype=Js.dtype)
+            extra[torch.arange(rows.numel()), rows] = curv[rows].sqrt()
+            Js = torch.cat([Js, extra])
+            r = torch.cat([r, torch.zeros(rows.numel(), dtype=r.dtype)])
+            self.extra_rows = rows.numel()
+            if scale_sq is not None:
+                scale_sq = scale_sq + curv
+        return Js, r, scale_sq
+
+    def second_directional(
+        self, y: Tensor, v: Tensor, system: NormalEquations
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(Jsᵀr_vv, r_vv)`` with ``r_vv = D²f(x(y))[v, v]``, in the rows of ``system``."""
+        assert system.jac is not None
+        if self.differentiable:
+            rvv = self._exact_rvv(y, v)
+        else:
+            vnorm = float(torch.linalg.vector_norm(v))
+            if vnorm == 0.0:
+                return torch.zeros_like(system.grad), torch.zeros_like(system.jac[:, 0])
+            rvv = self._central_rvv(y, v, vnorm)
+        if self.row_scale is not None:
+            # The rows of J were rescaled for the robust loss; rescale r_vv alike.
+            rvv = rvv * self.row_scale
+        if self.extra_rows:
+            rvv = torch.cat([rvv, torch.zeros(self.extra_rows, dtype=rvv.dtype)])
+        return system.jac.T @ rvv, rvv
+
+    def _fun_of_y(self, t: Tensor) -> Tensor:
+        return self.fun(self.bounds.to_x(t))
+
+    def _exact_rvv(self, y: Tensor, v: Tensor) -> Tensor:
+        """``r_vv`` by two nested forward-mode derivatives."""
+
+        def jv(t: Tensor) -> Tensor:
+            out: Tensor = torch.func.jvp(self._fun_of_y, (t,), (v,))[1]
+            return out
+
+        return torch.func.jvp(jv, (y,), (v,))[1].detach()
+
+    def _central_rvv(self, y: Tensor, v: Tensor, vnorm: float) -> Tensor:
+        """``r_vv`` by a central difference along ``v`` (a NumPy fun cannot be differentiated).
+
+        The step balances truncation (O(h²)) against roundoff (O(eps/h²)).
+        """
+        f = self._fun_of_y
+        h = torch.finfo(y.dtype).eps ** 0.25 * max(1.0, float(torch.linalg.vector_norm(y)))
+        t = h / vnorm
+        return ((f(y + t * v) - 2.0 * f(y) + f(y - t * v)) / (t * t)).detach()

@@ -1,0 +1,308 @@
+r"""Parameter uncertainties from a least-squares result, and printable fit reports.
+
+The uncertainty of the fitted parameters comes from the linearisation at the
+solution.  Near the minimum the residuals are ``r(p) ≈ r(p̂) + J (p - p̂)``, and if the
+(weighted) data have independent errors of variance ``s²`` the estimate ``p̂`` has the
+covariance
+
+.. math:: \operatorname{cov}(\hat p) = s^2 (J^\top J)^{-1}.
+
+When the residuals are divided by the data's true standard deviations
+(``absolute_sigma=True``) they have unit variance and ``s² = 1``.  Otherwise ``s²`` is
+estimated from the scatter about the fit, the reduced chi-square
+``s² = Σ r² / (m - n) = 2·cost / (m - n)`` with ``m`` residuals and ``n`` parameters:
+the scaling scipy's ``curve_fit`` and lmfit use, so :func:`covariance` agrees with both.
+
+:func:`covariance`, :func:`standard_errors` and :func:`correlation` work on any
+:class:`~secondorder.fitting.OptimizeResult`; :func:`fit_report` gathers them into a
+:class:`FitReport` whose ``str`` is a table of parameters ± errors, the strong
+correlations, the cost, the evaluations and the termination message.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .arrays import as_float64, like
+from .result import OptimizeResult
+
+__all__ = ["FitReport", "correlation", "covariance", "fit_report", "standard_errors"]
+
+
+def _unscaled_covariance(J: Tensor) -> Tensor:
+    """``(JᵀJ)⁻¹`` through the SVD of J, dropping directions J cannot see.
+
+    Singular values below ``eps·max(m, n)·s_max`` are treated as zero (a
+    pseudo-inverse), so a parameter the data do not determine gets no spurious,
+    astronomically large covariance from round-off; this is also scipy's rule.
+    """
+    _, s, Vh = torch.linalg.svd(J, full_matrices=False)
+    if s.numel() == 0 or float(s[0]) == 0.0:
+        return torch.zeros(J.shape[1], J.shape[1], dtype=J.dtype)
+    keep = s > torch.finfo(J.dtype).eps * max(J.shape) * s[0]
+    s, Vh = s[keep], Vh[keep]
+    return (Vh.T / s**2) @ Vh
+
+
+def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
+    """Covariance of the fitted parameters from the Jacobian at the solution.
+
+    Computes ``s²·(JᵀJ)⁻¹`` with ``J = res.jac`` (pseudo-inverted where J is rank
+    deficient).  With ``absolute_sigma=False`` the residual variance is estimated from
+    the fit, ``s² = 2·res.cost / (m - n)`` for ``m`` residuals and ``n`` parameters,
+    which is right when the residuals' scale is unknown (unweighted data, or weights
+    known only up to a factor).  With ``absolute_sigma=True``, ``s² = 1``: the residuals
+    are already divided by the data's true standard deviations.
+
+    With ``m ≤ n`` and ``absolute_sigma=False`` there are no degrees of freedom left to
+    estimate ``s²``; the result is filled with ``inf`` and a ``RuntimeWarning`` says so,
+    as scipy's ``curve_fit`` does.  With a robust ``loss`` the cost is the robust cost
+    and ``J`` the plain Jacobian, so the result is an approximation.
+
+    Args:
+        res: the result of :func:`~secondorder.least_squares` (or anything with
+            ``jac``, ``cost`` and ``x``).
+        absolute_sigma: whether the residuals are in units of the data's standard
+            deviation.
+
+    Returns:
+        An ``(n, n)`` float64 tensor, or a NumPy array when ``res.x`` is one.
+    """
+    if not all(hasattr(res, a) for a in ("jac", "cost", "x")):
+        raise TypeError(
+            f"res must be an OptimizeResult (with jac, cost and x), got {type(res).__name__}"
+        )
+    if not isinstance(absolute_sigma, bool):
+        raise TypeError(f"absolute_sigma must be True or False, got {absolute_sigma!r}")
+    J = as_float64(res.jac, "res.jac")
+    if J.ndim != 2:
+        raise ValueError(f"res.jac must be a 2-D Jacobian, got shape {tuple(J.shape)}")
+    m, n = J.shape
+    cov = _unscaled_covariance(J)
+    if not absolute_sigma:
+        if m > n:
+            cov = cov * (2.0 * float(res.cost) / (m - n))
+        else:
+            warnings.warn(
+                f"Covariance of the parameters could not be estimated: {m} residuals "
+                f"leave no degrees of freedom for {n} parameters (absolute_sigma=False)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            cov = torch.full_like(cov, math.inf)
+    if bool(torch.isnan(cov).any()):
+        cov = torch.full_like(cov, math.inf)
+    return like(cov, res.x)
+
+
+def _square(cov: Any) -> Tensor:
+    c = as_float64(cov, "cov")
+    if c.ndim != 2 or c.shape[0] != c.shape[1]:
+        raise ValueError(f"cov must be a square matrix, got shape {tuple(c.shape)}")
+    return c
+
+
+def standard_errors(cov: Any) -> Any:
+    """One-standard-error uncertainties ``sqrt(diag(cov))`` of the parameters."""
+    c = _square(cov)
+    return like(torch.sqrt(torch.clamp(c.diagonal(), min=0.0)), cov)
+
+
+def correlation(cov: Any) -> Any:
+    """Correlation matrix ``cov_ij / (σ_i σ_j)``; entries of a zero-variance parameter are 0.
+
+    Correlations near ±1 mean two parameters trade off against each other: the data
+    constrain a combination of them much better than either alone.
+    """
+    c = _square(cov)
+    se = torch.sqrt(torch.clamp(c.diagonal(), min=0.0))
+    denom = torch.outer(se, se)
+    ok = (denom > 0) & torch.isfinite(denom)
+    corr = torch.where(ok, c / torch.where(ok, denom, torch.ones_like(denom)), 0.0)
+    corr.diagonal().copy_(torch.where(se > 0, 1.0, 0.0))
+    return like(corr, cov)
+
+
+# ---------------------------------------------------------------------------------------
+# Fit reports
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Parameters with their uncertainties and a summary of how the fit ended.
+
+    ``str(report)`` prints it; the fields are there for programs.
+
+    Attributes:
+        names: parameter names.
+        values: fitted values (float64 NumPy array).
+        stderr: one-standard-error uncertainties.
+        covariance, correlation: ``(n, n)`` matrices.
+        cost: ``½ Σ r²`` (the robust cost with a robust loss).
+        chisqr: ``Σ r² = 2·cost``, the chi-square when residuals are weighted by the
+            data's standard deviations.
+        redchi: ``chisqr / (m - n)`` (``nan`` without degrees of freedom).
+        ndata, nvarys: residuals ``m`` and parameters ``n``.
+        nfev, njev: residual and Jacobian evaluations.
+        status, message, success: how the solver ended, in scipy's terms.
+        absolute_sigma: which residual variance scaled the covariance.
+        min_correlation: correlations at or below this magnitude are not printed.
+    """
+
+    names: tuple[str, ...]
+    values: np.ndarray
+    stderr: np.ndarray
+    covariance: np.ndarray
+    correlation: np.ndarray
+    cost: float
+    chisqr: float
+    redchi: float
+    ndata: int
+    nvarys: int
+    nfev: int
+    njev: int
+    status: int
+    message: str
+    success: bool
+    absolute_sigma: bool = False
+    min_correlation: float = 0.1
+
+    @property
+    def params(self) -> dict[str, float]:
+        """Fitted values by name."""
+        return {k: float(v) for k, v in zip(self.names, self.values, strict=True)}
+
+    @property
+    def errors(self) -> dict[str, float]:
+        """Standard errors by name."""
+        return {k: float(v) for k, v in zip(self.names, self.stderr, strict=True)}
+
+    def correlations(self) -> list[tuple[str, str, float]]:
+        """Pairs with ``|correlation| > min_correlation``, strongest first."""
+        pairs = [
+            (self.names[i], self.names[j], float(self.correlation[i, j]))
+            for i in range(self.nvarys)
+            for j in range(i + 1, self.nvarys)
+            if abs(self.correlation[i, j]) > self.min_correlation
+        ]
+        return sorted(pairs, key=lambda p: -abs(p[2]))
+
+    def __str__(self) -> str:
+        lines = self._statistics() + self._variables() + self._correlation_table()
+        return "\n".join(lines)
+
+    def _statistics(self) -> list[str]:
+        """The ``[[Fit statistics]]`` block: how the solver ended and the chi-square."""
+        return [
+            "[[Fit statistics]]",
+            f"    status             = {self.status} ({self.message})",
+            f"    success            = {self.success}",
+            f"    function evals     = {self.nfev}",
+            f"    Jacobian evals     = {self.njev}",
+            f"    data points        = {self.ndata}",
+            f"    variables          = {self.nvarys}",
+            f"    degrees of freedom = {self.ndata - self.nvarys}",
+            f"    cost (½ Σ r²)      = {self.cost:.6g}",
+            f"    chi-square (Σ r²)  = {self.chisqr:.6g}",
+            f"    reduced chi-square = {self.redchi:.6g}",
+        ]
+
+    def _variables(self) -> list[str]:
+        """The ``[[Variables]]`` block: value ± error (relative error) per parameter."""
+        lines = ["[[Variables]]"]
+        width = max(len(n) for n in self.names)
+        for name, value, err in zip(self.names, self.values, self.stderr, strict=True):
+            if math.isfinite(err):
+                rel = f" ({100 * abs(err / value):.2f}%)" if value != 0 else ""
+                lines.append(f"    {name:<{width}} = {value: .8g} ± {err:.4g}{rel}")
+            else:
+                lines.append(f"    {name:<{width}} = {value: .8g} ± (not determined)")
+        sigma = "absolute sigma" if self.absolute_sigma else "scaled by the reduced chi-square"
+        lines.append(f"    (one standard error, {sigma})")
+        return lines
+
+    def _correlation_table(self) -> list[str]:
+        """The ``[[Correlations]]`` block, empty when no pair exceeds ``min_correlation``."""
+        pairs = self.correlations()
+        if not pairs:
+            return []
+        lines = [f"[[Correlations]] (|C| > {self.min_correlation:g})"]
+        pw = max(len(f"C({a}, {b})") for a, b, _ in pairs)
+        for a, b, c in pairs:
+            lines.append(f"    {f'C({a}, {b})':<{pw}} = {c:+.4f}")
+        return lines
+
+
+def fit_report(
+    res: OptimizeResult,
+    names: Sequence[str] | None = None,
+    *,
+    absolute_sigma: bool = False,
+    min_correlation: float = 0.1,
+) -> FitReport:
+    """A printable report of a least-squares fit: parameters ± errors, correlations, cost.
+
+    Example::
+
+        res = so.least_squares(residuals, p0)
+        print(so.fit_report(res, names=["amplitude", "rate"]))
+
+    Args:
+        res: the result of :func:`~secondorder.least_squares` (the ``"result"`` entry
+            of :func:`curve_fit`'s ``infodict`` with ``full_output=True``).
+        names: one name per parameter (default ``p0, p1, ...``).
+        absolute_sigma: see :func:`covariance`.
+        min_correlation: print correlations whose magnitude exceeds this (in [0, 1]).
+    """
+    x = as_float64(res.x, "res.x").reshape(-1)
+    n = x.numel()
+    names = _check_names(names, n)
+    ok = isinstance(min_correlation, (int, float)) and not isinstance(min_correlation, bool)
+    if not ok or not 0.0 <= min_correlation <= 1.0:
+        raise ValueError(f"Invalid min_correlation={min_correlation!r}: must be in [0, 1].")
+    with warnings.catch_warnings():
+        # A report without degrees of freedom says so in its own table.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cov = as_float64(covariance(res, absolute_sigma=absolute_sigma), "cov")
+    m = int(as_float64(res.fun, "res.fun").numel())
+    chisqr = 2.0 * float(res.cost)
+    return FitReport(
+        names=tuple(names),
+        values=x.numpy(),
+        stderr=np.asarray(standard_errors(cov.numpy())),
+        covariance=cov.numpy(),
+        correlation=np.asarray(correlation(cov.numpy())),
+        cost=float(res.cost),
+        chisqr=chisqr,
+        redchi=chisqr / (m - n) if m > n else math.nan,
+        ndata=m,
+        nvarys=n,
+        nfev=int(res.nfev),
+        njev=int(res.njev),
+        status=int(res.status),
+        message=str(res.message),
+        success=bool(res.success),
+        absolute_sigma=absolute_sigma,
+        min_correlation=float(min_correlation),
+    )
+
+
+def _check_names(names: Sequence[str] | None, n: int) -> Sequence[str]:
+    """``names`` (default ``p0, p1, ...``), checked to be ``n`` unique strings."""
+    if names is None:
+        names = [f"p{i}" for i in range(n)]
+    if isinstance(names, str) or not all(isinstance(k, str) for k in names):
+        raise TypeError(f"names must be a sequence of strings, got {names!r}")
+    if len(names) != n:
+        raise ValueError(f"names has {len(names)} entries but the fit has {n} parameters")
+    if len(set(names)) != len(names):
+        raise ValueError(f"names must be unique, got {list(names)!r}")
+    return names

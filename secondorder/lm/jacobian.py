@@ -174,26 +174,16 @@ def _signature(inputs: Any, targets: Any) -> str:
     )
 
 
-def _linear_rule(
-    program: ResidualProgram, params: Params, inputs: Any, targets: Any, verify: bool = False
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Per-sample rows of J for a model whose trainable parameters are all in nn.Linear.
+_Call = tuple[LinearLayer, Tensor, Tensor]
 
-    One forward pass of the whole slice records each layer call's input ``a`` and
-    output ``z``; for each of the k residuals of a sample, one backward pass gives
-    ``g = ∂r_j/∂z`` (samples are independent, so row i of g belongs to sample i) and
-    the rows are ``∂r_ij/∂W = g_i a_iᵀ`` (summed over any dimensions between the
-    batch and the features) and ``∂r_ij/∂b = g_i``.
 
-    With ``verify``, one more backward pass computes ``Σᵢ vᵢ ∂r_ij/∂θ`` by autograd
-    for random weights ``vᵢ ∈ {½, 1, 2}``, and the third result holds two booleans:
-    whether the numbers are finite, and whether ``Jᵀv`` agrees with it (a parameter
-    used outside its layer's forward would add a term the rows miss).
-    """
+def _record_calls(
+    program: ResidualProgram, params: Params, inputs: Any, targets: Any
+) -> tuple[list[_Call], Tensor, Params]:
+    """One forward pass of the slice: each layer call's (layer, input, output), r, leaves."""
     assert program.layers is not None
-    batch = _leading(inputs)
     layer_of = {id(layer.module): layer for layer in program.layers}
-    calls: list[tuple[LinearLayer, Tensor, Tensor]] = []
+    calls: list[_Call] = []
 
     def record(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if len(args) != 1 or not isinstance(args[0], Tensor) or not isinstance(out, Tensor):
@@ -205,10 +195,6 @@ def _linear_rule(
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p:
             raise _UnsupportedError
 
-    shapes = {k: v.shape for k, v in params.items()}
-    numels = [shapes[k].numel() for k in program.order]
-    starts = dict(zip(program.order, [sum(numels[:i]) for i in range(len(numels))], strict=True))
-    n = sum(numels)
     handles = [layer.module.register_forward_hook(record) for layer in program.layers]
     handles.append(nn.modules.module.register_module_forward_pre_hook(refuse_randomness))
     try:
@@ -218,9 +204,11 @@ def _linear_rule(
     finally:
         for h in handles:
             h.remove()
-    if not calls or r.numel() % batch:
-        raise _UnsupportedError
-    k = r.numel() // batch
+    return calls, r, leaves
+
+
+def _layer_outputs(calls: list[_Call], batch: int) -> list[Tensor]:
+    """The calls' outputs; refuse a call whose shapes are not ``z = a Wᵀ (+ b)``."""
     outs = []
     for layer, a, z in calls:
         w = layer.module.weight
@@ -235,26 +223,41 @@ def _linear_rule(
         ):
             raise _UnsupportedError
         outs.append(z)
-    p0 = next(iter(params.values()))
-    jac = torch.empty(batch, k, n, dtype=p0.dtype, device=p0.device)
-    written: set[tuple[int, str]] = set()
-    rk = r.view(batch, k)
+    return outs
+
+
+def _autograd_sums(
+    rk: Tensor, leaves: Params, order: tuple[str, ...], k: int
+) -> list[tuple[int, Tensor, Tensor]]:
+    """For each residual j, ``(j, v, Σᵢ vᵢ ∂r_ij/∂θ)`` by autograd, random ``vᵢ ∈ {½, 1, 2}``."""
     checks: list[tuple[int, Tensor, Tensor]] = []
-    if verify:
-        gen = torch.Generator().manual_seed(0)
-        v = (2.0 ** torch.randint(-1, 2, (batch,), generator=gen)).to(rk)
-        for j in range(k):
-            total = torch.autograd.grad(
-                (rk[:, j] * v).sum(), [leaves[name] for name in program.order],
-                retain_graph=True, allow_unused=True,
-            )  # fmt: skip
-            flat = torch.cat(
-                [
-                    (torch.zeros_like(leaves[name]) if t is None else t).reshape(-1)
-                    for name, t in zip(program.order, total, strict=True)
-                ]
-            )
-            checks.append((j, v, flat.detach()))
+    gen = torch.Generator().manual_seed(0)
+    v = (2.0 ** torch.randint(-1, 2, (rk.shape[0],), generator=gen)).to(rk)
+    for j in range(k):
+        total = torch.autograd.grad(
+            (rk[:, j] * v).sum(), [leaves[name] for name in order],
+            retain_graph=True, allow_unused=True,
+        )  # fmt: skip
+        flat = torch.cat(
+            [
+                (torch.zeros_like(leaves[name]) if t is None else t).reshape(-1)
+                for name, t in zip(order, total, strict=True)
+            ]
+        )
+        checks.append((j, v, flat.detach()))
+    return checks
+
+
+def _fill_rows(
+    jac: Tensor,
+    rk: Tensor,
+    calls: list[_Call],
+    outs: list[Tensor],
+    starts: dict[str, int],
+) -> set[tuple[int, str]]:
+    """Write ``g_i a_iᵀ`` and ``g_i`` into ``jac[i, j]``; return the (j, name) blocks written."""
+    batch, k = rk.shape
+    written: set[tuple[int, str]] = set()
     for j in range(k):
         grads = torch.autograd.grad(rk[:, j].sum(), outs, retain_graph=j < k - 1, allow_unused=True)
         for (layer, a, _), g in zip(calls, grads, strict=True):
@@ -284,22 +287,59 @@ def _linear_rule(
                 else:
                     block.copy_(gb)
                 written.add((j, layer.bias))
+    return written
+
+
+def _verdict(jac: Tensor, r: Tensor, checks: list[tuple[int, Tensor, Tensor]]) -> Tensor:
+    """(finite, agree): a check on non-finite numbers decides nothing."""
+    eps = torch.finfo(jac.dtype).eps
+    finite = torch.isfinite(r).all()
+    agree = torch.ones((), dtype=torch.bool, device=jac.device)
+    for j, v, autograd_sum in checks:
+        rows = jac[:, j, :]
+        finite = finite & torch.isfinite(rows).all() & torch.isfinite(autograd_sum).all()
+        scale = rows.abs().T @ v + torch.finfo(jac.dtype).tiny
+        agree = agree & ((rows.T @ v - autograd_sum).abs() <= eps**0.5 * scale).all()
+    return torch.stack([finite, agree])
+
+
+def _linear_rule(
+    program: ResidualProgram, params: Params, inputs: Any, targets: Any, verify: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per-sample rows of J for a model whose trainable parameters are all in nn.Linear.
+
+    One forward pass of the whole slice records each layer call's input ``a`` and
+    output ``z``; for each of the k residuals of a sample, one backward pass gives
+    ``g = ∂r_j/∂z`` (samples are independent, so row i of g belongs to sample i) and
+    the rows are ``∂r_ij/∂W = g_i a_iᵀ`` (summed over any dimensions between the
+    batch and the features) and ``∂r_ij/∂b = g_i``.
+
+    With ``verify``, one more backward pass computes ``Σᵢ vᵢ ∂r_ij/∂θ`` by autograd
+    for random weights ``vᵢ ∈ {½, 1, 2}``, and the third result holds two booleans:
+    whether the numbers are finite, and whether ``Jᵀv`` agrees with it (a parameter
+    used outside its layer's forward would add a term the rows miss).
+    """
+    assert program.layers is not None
+    batch = _leading(inputs)
+    shapes = {k: v.shape for k, v in params.items()}
+    numels = [shapes[k].numel() for k in program.order]
+    starts = dict(zip(program.order, [sum(numels[:i]) for i in range(len(numels))], strict=True))
+    n = sum(numels)
+    calls, r, leaves = _record_calls(program, params, inputs, targets)
+    if not calls or r.numel() % batch:
+        raise _UnsupportedError
+    k = r.numel() // batch
+    outs = _layer_outputs(calls, batch)
+    p0 = next(iter(params.values()))
+    jac = torch.empty(batch, k, n, dtype=p0.dtype, device=p0.device)
+    rk = r.view(batch, k)
+    checks = _autograd_sums(rk, leaves, program.order, k) if verify else []
+    written = _fill_rows(jac, rk, calls, outs, starts)
     for j in range(k):
         for name, size in zip(program.order, numels, strict=True):
             if (j, name) not in written:
                 jac[:, j, starts[name] : starts[name] + size] = 0.0
-    verdict: Tensor | None = None
-    if verify:
-        # (finite, agree): a check on non-finite numbers decides nothing.
-        eps = torch.finfo(jac.dtype).eps
-        finite = torch.isfinite(r).all()
-        agree = torch.ones((), dtype=torch.bool, device=jac.device)
-        for j, v, autograd_sum in checks:
-            rows = jac[:, j, :]
-            finite = finite & torch.isfinite(rows).all() & torch.isfinite(autograd_sum).all()
-            scale = rows.abs().T @ v + torch.finfo(jac.dtype).tiny
-            agree = agree & ((rows.T @ v - autograd_sum).abs() <= eps**0.5 * scale).all()
-        verdict = torch.stack([finite, agree])
+    verdict = _verdict(jac, r, checks) if verify else None
     return jac.view(batch * k, n), r.detach(), verdict
 
 

@@ -36,6 +36,7 @@ from torch import Tensor
 
 __all__ = [
     "SOLVERS",
+    "CGFactorization",
     "CGSolver",
     "CholeskySolver",
     "EighSolver",
@@ -421,7 +422,9 @@ class QRSolver(LinearSolver):
 
 
 @dataclass
-class _CG(Factorization):
+class CGFactorization(Factorization):
+    """CG "factorisation": nothing is factored; each solve iterates on ``(JᵀJ + λD)v = b``."""
+
     system: NormalEquations
     d: Tensor
     rtol: float
@@ -517,7 +520,7 @@ class CGSolver(LinearSolver):
         if system.dual:
             raise RuntimeError("the cg solver works on the primal form")
         max_iter = self.max_iter if self.max_iter is not None else max(1, system.n)
-        return _CG(system, d.to(system.grad.dtype), self.tolerance(system), max_iter)
+        return CGFactorization(system, d.to(system.grad.dtype), self.tolerance(system), max_iter)
 
 
 SOLVERS = ("auto", "cholesky", "eigh", "qr", "cg")

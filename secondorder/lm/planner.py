@@ -58,14 +58,14 @@ allocating anything.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from torch import Tensor
 
 from .._validation import check_integer
+from .memory import activation_numel, available_memory
+from .stages import Stage, StepShape, estimate
 
 __all__ = [
     "DIRECT_SOLVE_LIMIT",
@@ -102,15 +102,6 @@ class PlanError(MemoryError):
     def __init__(self, plan: MemoryPlan, message: str | None = None) -> None:
         super().__init__(message or plan.explain())
         self.plan = plan
-
-
-@dataclass(frozen=True)
-class Stage:
-    """The bytes one stage of a step allocates, and how they were counted."""
-
-    name: str
-    bytes: int
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -209,257 +200,6 @@ def _size(nbytes: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Free memory of a device
-
-
-def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _cgroup_headroom() -> int | None:
-    """Limit minus usage of this container's memory cgroup (v2, then v1), if limited."""
-    pairs = (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-        ),
-    )
-    for limit_path, usage_path in pairs:
-        try:
-            with open(limit_path) as f:
-                raw = f.read().strip()
-            if raw == "max":
-                return None
-            limit = int(raw)
-            with open(usage_path) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        # cgroup v1 reports "no limit" as a huge page-aligned number.
-        if limit >= 1 << 60:
-            return None
-        return max(0, limit - usage)
-    return None
-
-
-def available_memory(device: torch.device | str) -> tuple[int | None, str]:
-    """Bytes free on ``device`` now, and where the number came from.
-
-    * CUDA: ``torch.cuda.mem_get_info`` (free memory on the device) plus what torch's
-      caching allocator holds reserved but unused, which it will hand out first.
-    * CPU: ``MemAvailable`` from ``/proc/meminfo`` (free memory plus caches the kernel
-      can drop), capped by the container's cgroup limit when there is one; where
-      ``/proc`` is missing (macOS, Windows), ``os.sysconf`` free pages, which leave
-      out reclaimable caches and so err low.
-    * Anything else: ``(None, "unknown")``; the plan is then not checked against
-      free memory, only against ``memory_limit`` and ``memory_budget``.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(free + cached), f"{device} free memory (torch.cuda.mem_get_info)"
-    if device.type == "cpu":
-        avail = _meminfo_available()
-        source = "MemAvailable in /proc/meminfo"
-        if avail is None:
-            try:
-                avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-                source = "free pages from os.sysconf"
-            except (AttributeError, ValueError, OSError):
-                return None, "unknown (no /proc/meminfo or os.sysconf)"
-        cgroup = _cgroup_headroom()
-        if cgroup is not None and cgroup < avail:
-            return cgroup, "cgroup memory limit minus usage"
-        return avail, source
-    return None, f"unknown for device type {device.type!r}"
-
-
-def activation_numel(fn: Callable[[], Tensor], exclude: Sequence[Tensor] = ()) -> int:
-    """Entries of the tensors autograd saves while ``fn()`` runs (its activations).
-
-    Called on one or two samples, this measures how much a sample's forward pass
-    keeps for the backward pass, the one property of the model's layers the planner
-    needs.  Storages shared by several saved tensors (views of one activation) are
-    counted once, and those of ``exclude`` (the parameters, which layers save to
-    differentiate their inputs) not at all.  Returns 0 for a function that applies
-    ``torch.func`` transforms itself, which saved-tensor hooks cannot observe.
-    """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[tuple[int, tuple[int, ...]], int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        # A saved slice of a larger tensor (the probe's inputs) keeps the whole
-        # storage alive, but a slice of s samples saves s such rows: count the view.
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[(t.data_ptr(), tuple(t.shape))] = t.numel()
-        return t
-
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn()
-    except RuntimeError as exc:
-        # A function that runs torch.func transforms inside (a residual with
-        # derivatives in the inputs) cannot be observed this way: count nothing.
-        if "saved tensor hooks" not in str(exc):
-            raise
-        return 0
-    return sum(seen.values())
-
-
-# ---------------------------------------------------------------------------------------
-# The estimate of one configuration
-
-
-@dataclass(frozen=True)
-class _Shape:
-    n: int
-    samples: int
-    rows: int
-    rows_total: int
-    b: int  # bytes per entry of J (the parameters' dtype)
-    g: int  # bytes per entry of the Gram / factorisations
-    converts: bool  # J is copied into the Gram's dtype
-    jacobian: str
-    activations: int  # entries a sample saves for backward
-    world_size: int
-
-
-def _estimate(
-    shape: _Shape, solver: str, dual: bool, slice_size: int, chunk: int | None
-) -> tuple[tuple[Stage, ...], int, int]:
-    """Stages and the two phase peaks of one fully resolved configuration."""
-    n, b, g = shape.n, shape.b, shape.g
-    k = max(1, math.ceil(shape.rows / max(1, shape.samples)))
-    per_sample = not shape.jacobian.startswith("batch")
-    s = min(slice_size, shape.samples) if per_sample else shape.samples
-    slice_rows = min(s * k, shape.rows) if per_sample else shape.rows
-    several = per_sample and s < shape.samples
-    store = dual or solver in ("qr", "cg")
-    gram = not store
-    a = shape.activations
-
-    # -- Jacobian slice -------------------------------------------------------------
-    j1 = slice_rows * n * b
-    copy = slice_rows * n * g if gram and shape.converts else 0
-    work = max(2 * j1, j1 + copy)  # the strategy's blocks and their flattened copy
-    detail = f"{slice_rows:,} rows × {n:,} × {b} B, ×2 while flattened"
-    if gram and several:
-        # The previous slice (and its copy in the Gram's dtype) is still referenced
-        # while the next one is computed.
-        work = 2 * j1 + j1 + copy
-        detail += ", + the previous slice"
-    if shape.jacobian == "reverse":
-        extra = s * (1 + k) * a * b
-        if a:
-            detail += ", + activations and their cotangents"
-    elif shape.jacobian == "forward":
-        # vmap over samples of forward mode: the n×n basis of tangents and its
-        # per-parameter copies (6·n², measured), every parameter's tangent expanded to
-        # each sample of the slice (s·n·n), and the activations' tangents (s·n·a).
-        extra = 6 * n * n * b + s * n * (n + a) * b
-        detail += ", + n×n tangent basis and s·n·(n + activations) tangents"
-    elif shape.jacobian == "batch_reverse":
-        c = min(chunk or shape.rows, shape.rows)
-        extra = c * shape.rows * b + c * shape.samples * a * b
-        detail += f", + {c:,} cotangents through the whole batch's activations"
-    else:  # batch_forward
-        extra = n * n * b + n * shape.samples * a * b
-        detail += ", + n tangents through the whole batch's activations"
-    stages = [Stage("jacobian slice", work + extra, detail)]
-
-    # -- Gram, stored rows ----------------------------------------------------------
-    gram_bytes = n * n * g if gram else 0
-    stages.append(Stage("gram", gram_bytes, f"{n:,}² × {g} B" if gram else "not formed"))
-    gathered = store and solver != "cg" and shape.world_size > 1
-    rows_here = shape.rows_total if gathered else shape.rows
-    local_rows = shape.rows * n * b if store else 0
-    rows_bytes = rows_here * (n + (1 if gathered else 0)) * b if store else 0
-    why = "gathered from every rank" if gathered else "this rank's rows"
-    stages.append(
-        Stage(
-            "stored rows",
-            rows_bytes,
-            f"{rows_here:,} × {n:,} × {b} B ({why}), ×2 while concatenated"
-            if store
-            else "not kept",
-        )
-    )
-
-    # -- dual matrix, factorisation, CG ---------------------------------------------
-    mm = rows_here
-    # QR factors J itself in either form; only Cholesky and eigh build J D⁻¹Jᵀ.
-    dual = dual and solver in ("cholesky", "eigh")
-    dual_bytes = mm * n * g + mm * mm * g if dual else 0
-    stages.append(
-        Stage(
-            "dual matrix",
-            dual_bytes,
-            f"J D^-½ ({mm:,} × {n:,}) and {mm:,}² × {g} B" if dual else "primal form",
-        )
-    )
-    if solver == "cg":
-        factor = 0
-        fdetail = "matrix-free"
-    elif dual:  # Cholesky or eigh of the m×m matrix
-        factor = 3 * mm * mm * g
-        fdetail = f"3 × {mm:,}² × {g} B per λ"
-    elif solver == "cholesky":
-        factor = 3 * n * n * g
-        fdetail = f"3 × {n:,}² × {g} B: damped copy, LAPACK's copy, factor"
-    elif solver == "eigh":
-        factor = 4 * n * n * g
-        fdetail = f"4 × {n:,}² × {g} B: scaled matrix, eigenvectors, workspace"
-    else:  # qr
-        p = min(mm, n)
-        conv = mm * n * g if shape.converts else 0
-        per_lam = 3 * (p + n) * n * g + n * n * g
-        if mm > n:
-            # J = Q0 R0 (LAPACK copies J first), then a QR of [R0; √λD^½] per λ.
-            resident = mm * n * g + n * n * g
-            factor = conv + max(resident + mm * n * g, resident + per_lam)
-        else:
-            factor = conv + per_lam
-        fdetail = f"Q0, R0 and the ({p:,} + {n:,}) × {n:,} stack per λ"
-    stages.append(Stage("factorisation", factor, fdetail))
-    cg_bytes = (9 * n + mm) * b if solver == "cg" else 0
-    stages.append(Stage("cg vectors", cg_bytes, "9 n-vectors and an m-vector" if cg_bytes else "-"))
-
-    # -- vectors, trial ---------------------------------------------------------------
-    vectors = 8 * n * b + 2 * n * g
-    stages.append(Stage("vectors", vectors, "x, Jᵀr, diag(JᵀJ), D, δ, trial x"))
-    trial = slice_rows * b + s * a * b
-    stages.append(Stage("trial", trial, "residuals and activations of one slice"))
-
-    # After linearising, the step checks J (or the Gram) for non-finite entries:
-    # |x| and three boolean masks, measured at itemsize + 3 bytes per entry.
-    checked = max(gram_bytes // g * (g + 3), rows_here * n * (b + 3) if store else 0)
-    stages.append(Stage("finite check", checked, "|x| and three masks over the Gram or J"))
-
-    if store:
-        # Rows already stored when the last slice is computed, then the concatenation.
-        before_last = max(0, local_rows - j1)
-        concat = 2 * local_rows + (rows_bytes + local_rows if gathered else 0)
-        linearize = max(before_last + work + extra, concat)
-    else:
-        # The Gram is allocated after the first slice.
-        linearize = max(2 * j1 + extra, gram_bytes + j1 + copy)
-        if several:
-            linearize = max(linearize, gram_bytes + work + extra)
-    linearize = vectors + max(linearize, gram_bytes + rows_bytes + checked)
-    solve = vectors + gram_bytes + rows_bytes + dual_bytes + factor + cg_bytes + trial
-    return tuple(stages), linearize, solve
-
-
-# ---------------------------------------------------------------------------------------
 # The plan
 
 
@@ -516,25 +256,23 @@ def plan_memory(
         beyond), moved to the other form or to CG only when that choice does not fit.
         A plan with ``fits=False`` carries ``advice``.
     """
-    check_integer("parameters", parameters)
-    check_integer("samples", samples)
-    check_integer("rows", rows)
-    check_integer("rows_total", rows_total, allow_none=True)
-    check_integer("slice_size", slice_size, allow_none=True)
-    check_integer("memory_budget", memory_budget)
-    check_integer("available", available, minimum=0, allow_none=True)
-    check_integer("activations", activations, minimum=0)
-    check_integer("world_size", world_size)
-    if solver not in _SOLVERS:
-        raise ValueError(f"Unknown solver={solver!r}; valid choices are {_SOLVERS}.")
-    if form not in _FORMS:
-        raise ValueError(f"Unknown form={form!r}; valid choices are {_FORMS}.")
-    if jacobian not in _JACOBIANS:
-        raise ValueError(f"Unknown jacobian={jacobian!r}; valid choices are {_JACOBIANS}.")
-    if not dtype.is_floating_point:
-        raise ValueError(f"Invalid dtype={dtype}: must be a floating dtype.")
+    _check_arguments(
+        parameters=parameters,
+        samples=samples,
+        rows=rows,
+        rows_total=rows_total,
+        slice_size=slice_size,
+        memory_budget=memory_budget,
+        available=available,
+        activations=activations,
+        world_size=world_size,
+        solver=solver,
+        form=form,
+        jacobian=jacobian,
+        dtype=dtype,
+    )
     gdt = gram_dtype or dtype
-    shape = _Shape(
+    shape = StepShape(
         n=parameters,
         samples=samples,
         rows=rows,
@@ -557,7 +295,55 @@ def plan_memory(
     chosen = next((p for p, ok in zip(plans, fits, strict=True) if ok), None)
     if chosen is not None:
         return chosen
-    chosen = plans[0]
+    return _refusal(plans[0], shape, slice_size, memory_budget, available, gram_dtype, dtype)
+
+
+def _check_arguments(
+    *,
+    parameters: int,
+    samples: int,
+    rows: int,
+    rows_total: int | None,
+    slice_size: int | None,
+    memory_budget: int,
+    available: int | None,
+    activations: int,
+    world_size: int,
+    solver: str,
+    form: str,
+    jacobian: str,
+    dtype: torch.dtype,
+) -> None:
+    """The arguments of :func:`plan_memory`, checked in order, with the messages users see."""
+    check_integer("parameters", parameters)
+    check_integer("samples", samples)
+    check_integer("rows", rows)
+    check_integer("rows_total", rows_total, allow_none=True)
+    check_integer("slice_size", slice_size, allow_none=True)
+    check_integer("memory_budget", memory_budget)
+    check_integer("available", available, minimum=0, allow_none=True)
+    check_integer("activations", activations, minimum=0)
+    check_integer("world_size", world_size)
+    if solver not in _SOLVERS:
+        raise ValueError(f"Unknown solver={solver!r}; valid choices are {_SOLVERS}.")
+    if form not in _FORMS:
+        raise ValueError(f"Unknown form={form!r}; valid choices are {_FORMS}.")
+    if jacobian not in _JACOBIANS:
+        raise ValueError(f"Unknown jacobian={jacobian!r}; valid choices are {_JACOBIANS}.")
+    if not dtype.is_floating_point:
+        raise ValueError(f"Invalid dtype={dtype}: must be a floating dtype.")
+
+
+def _refusal(
+    chosen: MemoryPlan,
+    shape: StepShape,
+    slice_size: int | None,
+    memory_budget: int,
+    available: int | None,
+    gram_dtype: torch.dtype | None,
+    dtype: torch.dtype,
+) -> MemoryPlan:
+    """The first candidate, marked as not fitting, with advice on what would fit."""
     if chosen.fits:
         # It fits here, but not on another process, where the error is explained.
         return replace(
@@ -569,7 +355,7 @@ def plan_memory(
     )
 
 
-def _candidates(shape: _Shape, solver: str, form: str) -> list[tuple[str, bool]]:
+def _candidates(shape: StepShape, solver: str, form: str) -> list[tuple[str, bool]]:
     """(solver, dual) in order of preference."""
     m_all, n = shape.rows_total, shape.n
     dual = form == "dual" or (form == "auto" and m_all < n and solver != "cg")
@@ -585,7 +371,7 @@ def _candidates(shape: _Shape, solver: str, form: str) -> list[tuple[str, bool]]
 
 
 def _fit(
-    shape: _Shape,
+    shape: StepShape,
     solver: str,
     dual: bool,
     slice_size: int | None,
@@ -599,7 +385,7 @@ def _fit(
     chunk = slice_size if not per_sample else None
 
     def build(s: int) -> MemoryPlan:
-        stages, lin, sol = _estimate(shape, solver, dual, s, chunk)
+        stages, lin, sol = estimate(shape, solver, dual, s, chunk)
         peak = max(lin, sol)
         ok = available is None or peak <= available
         return MemoryPlan(
@@ -645,7 +431,7 @@ def _fit(
 
 
 def _advice(
-    shape: _Shape,
+    shape: StepShape,
     plan: MemoryPlan,
     slice_size: int | None,
     budget: int,

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..distributed.reducer import LocalReducer, Reducer
-from .linalg import _CG, CGSolver, Factorization, LinearSolver, NormalEquations
+from .linalg import CGFactorization, CGSolver, Factorization, LinearSolver, NormalEquations
 
 __all__ = ["BroadcastSolver", "ShardedCGSolver", "ShardedNormalEquations"]
 
@@ -69,7 +69,7 @@ class ShardedNormalEquations(NormalEquations):
         return value[0]
 
 
-class _ShardedCG(_CG):
+class _ShardedCG(CGFactorization):
     """CG whose products with ``JᵀJ`` sum every rank's ``J_kᵀ(J_k v)``."""
 
     reducer: Reducer

@@ -20,7 +20,7 @@ from torch.func import functional_call, hessian, jacrev, vmap
 import secondorder as so
 from secondorder.distributed import LocalReducer
 from secondorder.lm.jacobian import make_jacobian
-from secondorder.lm.optimizer import _ModelProblem
+from secondorder.lm.model import ModelFunction
 
 DT = torch.float64
 STRATEGIES = ("reverse", "forward", "batch_reverse", "batch_forward")
@@ -68,9 +68,9 @@ def central_differences(f: Callable[[Tensor], Tensor], x: Tensor, h: float = 1e-
     return ((plus - minus) / (2 * h)).T
 
 
-def make_problem(model: nn.Module, residual_fn) -> _ModelProblem:
+def make_problem(model: nn.Module, residual_fn) -> ModelFunction:
     names, params = named_trainable(model)
-    return _ModelProblem(model, residual_fn, names, params, LocalReducer())
+    return ModelFunction(model, residual_fn, names, params, LocalReducer())
 
 
 def mlp(n_in: int, n_out: int, hidden: int = 6) -> nn.Module:

@@ -12,6 +12,7 @@ from torch import nn
 
 import secondorder as so
 from secondorder.cli import sinc_data, sinc_model
+from secondorder.lm.checkpoint import entries
 
 
 def params_of(model: nn.Module) -> list[torch.Tensor]:
@@ -121,17 +122,16 @@ def test_geodesic_second_derivative_matches_finite_differences():
     """The geodesic term r_vv equals the second difference of the residuals along v."""
     model, x, y = small_problem()
     opt = so.LevenbergMarquardt(model, geodesic=True)
-    prob = opt._problem
-    opt._validate(x, y)
-    prob.inputs, prob.targets, prob.batch_size = x, y, x.shape[0]
-    opt._configure(x.shape[0], x.shape[0], x)
+    opt.plan(x, y)  # sets up the batch's problem without stepping
+    prob = opt.internals().problem
+    assert prob is not None
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     v = torch.randn(theta.numel(), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     system = prob.linearize(theta)
     b, rvv = prob.second_directional(theta, v, system)
 
     def r(t: torch.Tensor) -> torch.Tensor:
-        return prob._batch(prob.unflatten(t), x, y)
+        return prob.batch_residuals(prob.unflatten(t), x, y)
 
     h = 1e-4
     fd = (r(theta + h * v) - 2 * r(theta) + r(theta - h * v)) / h**2
@@ -428,8 +428,8 @@ def test_step_errors_leave_everything_unchanged(case):
     with pytest.raises(exc, match=pattern):
         opt.step(inputs, targets)
     assert_same(params_of(model), before)
-    assert opt.state_dict()["damping"] == state["damping"]
-    assert opt.state_dict()["steps"] == state["steps"]
+    assert entries(opt.state_dict())["damping"] == entries(state)["damping"]
+    assert entries(opt.state_dict())["steps"] == entries(state)["steps"]
 
 
 def test_per_sample_jacobian_refused_for_model_residuals():

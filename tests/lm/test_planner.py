@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 import secondorder as so
+from secondorder.lm.checkpoint import entries
+from secondorder.lm.memory import meminfo_available as _meminfo_available
 from secondorder.lm.planner import (
     DIRECT_SOLVE_LIMIT,
     MemoryPlan,
     PlanError,
-    _meminfo_available,
     activation_numel,
     available_memory,
     plan_memory,
@@ -254,7 +255,7 @@ def sinc_batch(batch: int = 400, dtype: torch.dtype = F64) -> tuple[torch.Tensor
 def training_state_of(state: dict) -> dict:
     # Everything but the cache of Jacobian strategies chosen per input signature,
     # which remembers a decision, not a result of training.
-    return {k: v for k, v in state.items() if k != "auto_jacobian"}
+    return {k: v for k, v in entries(state).items() if k != "auto_jacobian"}
 
 
 def training_state(opt: so.LevenbergMarquardt) -> dict:

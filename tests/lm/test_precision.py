@@ -131,7 +131,9 @@ def test_dual_scale_is_the_mean_diagonal_of_the_scaled_matrix() -> None:
     opt = so.LevenbergMarquardt(model, form="dual", damping=1.0)
     info = opt.step(x, y)
     assert info.form == "dual" and info.gram_dtype == "float32"
-    system = opt._problem.linearize(_params(model))
+    problem = opt.internals().problem
+    assert problem is not None
+    system = problem.linearize(_params(model))
     names = [k for k, _ in model.named_parameters()]
     params = {k: p.detach().double() for k, p in model.named_parameters()}
     model64 = _sinc(20, torch.float64)[0]

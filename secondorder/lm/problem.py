@@ -1,0 +1,319 @@
+"""The least-squares problem of one batch: linearise at x, evaluate trial points.
+
+:class:`ModelProblem` is what :func:`secondorder.lm.engine.iterate` drives.  It is
+built for one batch from a :class:`~secondorder.lm.model.ModelFunction` (the model as a
+function of x) and a :class:`BatchSetup` (the batch and the choices made for it:
+Jacobian strategy, solver, form, slice size, Gram dtype), and changes no state of its
+own afterwards.  ``linearize`` walks the batch slice by slice, reduces the slices'
+sums into one :class:`~secondorder.lm.linalg.NormalEquations` record (through the
+reducer, the only stage that talks to other processes), and keeps J's rows only
+where the dual form or the solver needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import jvp, vjp
+
+from ..distributed import Reducer
+from ..distributed.devices import DeviceGroup
+from .jacobian import JacobianStrategy, ResidualProgram
+from .linalg import LinearSolver, NormalEquations, gram_update
+from .model import ModelEvaluator, ModelFunction, slice_tree
+from .sharded import ShardedNormalEquations
+
+__all__ = ["BatchSetup", "ModelProblem"]
+
+
+@dataclass(frozen=True)
+class BatchSetup:
+    """One batch and what was chosen for it (see :class:`~secondorder.lm.choices.Choices`).
+
+    Attributes:
+        inputs, targets: the batch (``targets`` may be ``None``).
+        batch_size: samples in ``inputs``.
+        slice_size: samples per Jacobian slice.
+        strategy: how J's rows are computed.
+        solver: factors and solves the damped normal equations.
+        form: ``"primal"`` (n×n ``JᵀJ``) or ``"dual"`` (m×m ``JD⁻¹Jᵀ``).
+        gram_dtype: dtype the Gram is accumulated in; ``None``: the parameters'.
+        dual_scale: whether ``linearize`` measures the scale of ``JD⁻¹Jᵀ`` (dual form
+            under ``gram_dtype="auto"``).
+    """
+
+    inputs: Any
+    targets: Any
+    batch_size: int
+    slice_size: int
+    strategy: JacobianStrategy
+    solver: LinearSolver
+    form: str
+    gram_dtype: torch.dtype | None
+    dual_scale: bool
+
+
+@dataclass
+class _Sums:
+    """What the slices of one linearisation add up to, before the cross-rank reduction."""
+
+    loss_sum: Tensor
+    grad: Tensor
+    col_sq: Tensor
+    grams: list[Tensor | None]
+    jacs: list[Tensor]
+    res: list[Tensor]
+    count: int = 0
+
+
+class ModelProblem:
+    """The residuals of one batch as functions of a flat x (the engine's ``Problem``)."""
+
+    def __init__(self, function: ModelFunction, setup: BatchSetup) -> None:
+        self.function = function
+        self.setup = setup
+        self.store_rows = setup.form == "dual" or setup.solver.needs_jacobian
+        sharded_rows = bool(getattr(setup.solver, "rows_sharded", False))
+        #: Whether ``linearize`` gathers every rank's rows of J (dual form, QR, several ranks).
+        self.rows_gathered = (
+            function.reducer.world_size > 1 and self.store_rows and not sharded_rows
+        )
+        self.rows_sharded = self.store_rows and sharded_rows
+
+    # -- what the batch was set up with, by name ----------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The model's trainable parameters, in the order of x."""
+        return self.function.params
+
+    @property
+    def names(self) -> list[str]:
+        """The parameters' names, in the order of x."""
+        return self.function.names
+
+    @property
+    def n(self) -> int:
+        """Number of unknowns (columns of J)."""
+        return self.function.n
+
+    @property
+    def program(self) -> ResidualProgram:
+        """The user's model's residual program, what a Jacobian strategy differentiates."""
+        return self.function.program
+
+    @property
+    def reducer(self) -> Reducer:
+        """Sums partial results across ranks."""
+        return self.function.reducer
+
+    @property
+    def group(self) -> DeviceGroup:
+        """The devices slices are computed on and the solver device."""
+        return self.function.group
+
+    @property
+    def replicas(self) -> list[ModelEvaluator]:
+        """One evaluator per device entry."""
+        return self.function.replicas
+
+    @property
+    def strategy(self) -> JacobianStrategy:
+        """How J's rows are computed for this batch."""
+        return self.setup.strategy
+
+    @property
+    def solver(self) -> LinearSolver:
+        """The linear solver of this batch."""
+        return self.setup.solver
+
+    @property
+    def form(self) -> str:
+        """``"primal"`` or ``"dual"``."""
+        return self.setup.form
+
+    @property
+    def gram_dtype(self) -> torch.dtype | None:
+        """The dtype the Gram is accumulated in (``None``: the parameters')."""
+        return self.setup.gram_dtype
+
+    @property
+    def slice_size(self) -> int:
+        """Samples per Jacobian slice."""
+        return self.setup.slice_size
+
+    def unflatten(self, x: Tensor) -> dict[str, Tensor]:
+        """The flat vector ``x`` as a name → tensor dict of parameter-shaped views."""
+        return self.function.unflatten(x)
+
+    def batch_residuals(self, params: dict[str, Tensor], inputs: Any, targets: Any) -> Tensor:
+        """The flat residuals of ``(inputs, targets)`` at ``params`` on the user's model."""
+        return self.function.home.batch(params, inputs, targets)
+
+    def slices(self) -> Iterator[tuple[Any, Any]]:
+        """The batch's slices as ``(inputs, targets)`` pairs, in order."""
+        setup = self.setup
+        if not setup.strategy.per_sample:
+            # Samples interact (or the residual needs the model itself): never slice.
+            yield setup.inputs, setup.targets
+            return
+        step = setup.slice_size
+        for start in range(0, setup.batch_size, step):
+            stop = min(start + step, setup.batch_size)
+            targets = slice_tree(setup.targets, start, stop) if setup.targets is not None else None
+            yield slice_tree(setup.inputs, start, stop), targets
+
+    # -- the Problem protocol -----------------------------------------------------------
+    def linearize(self, x: Tensor) -> NormalEquations:
+        """``Σr²``, ``Jᵀr``, ``diag(JᵀJ)`` and the Gram or J's rows at ``x``, all ranks summed."""
+        sums = self._accumulate(x)
+        gram = self.group.sum(sums.grams)
+        col_sq = sums.col_sq
+        if gram is not None:
+            # diag(JᵀJ) comes free with the Gram.
+            col_sq = gram.diagonal().to(x.dtype).clone()
+        wide = torch.float64
+        # The residual count travels with the loss: exact in float64 below 2⁵³ entries.
+        tally = torch.stack(
+            [sums.loss_sum, torch.tensor(float(sums.count), dtype=wide, device=x.device)]
+        )
+        self.reducer.sum_([tally, sums.grad, col_sq] + ([gram] if gram is not None else []))
+        jac, residuals = self._rows(sums)
+        dual = self.form == "dual"
+        dual_scale = None
+        if self.setup.dual_scale and dual and jac is not None:
+            # The mean diagonal entry of J diag(col_sq)⁻¹ Jᵀ: its trace, the count of
+            # nonzero columns, over the number of rows.  No pass over J.
+            tiny = torch.finfo(col_sq.dtype).tiny
+            dual_scale = (col_sq > tiny).sum().to(torch.float64) / max(jac.shape[0], 1)
+        fields: dict[str, Any] = {
+            "loss_sum": tally[0],
+            "grad": sums.grad,
+            "col_sq": col_sq,
+            "gram": gram,
+            "jac": jac,
+            "residuals": residuals,
+            "dual": dual,
+            "dual_scale": dual_scale,
+        }
+        if self.reducer.world_size == 1:
+            return NormalEquations(count=sums.count, **fields)
+        return ShardedNormalEquations(
+            count=int(tally[1]), reducer=self.reducer, rows_sharded=self.rows_sharded, **fields
+        )
+
+    def _accumulate(self, x: Tensor) -> _Sums:
+        """Walk the slices: their J and r, summed on the solver device in slice order."""
+        group, n, wide = self.group, self.n, torch.float64
+        sums = _Sums(
+            loss_sum=torch.zeros((), dtype=wide, device=x.device),
+            grad=torch.zeros(n, dtype=x.dtype, device=x.device),
+            col_sq=torch.zeros(n, dtype=x.dtype, device=x.device),
+            # One partial Gram per device entry, summed on the solver device at the end.
+            grams=[None] * len(group),
+            jacs=[],
+            res=[],
+        )
+        store = self.store_rows
+        points = self.function.points(x)
+        with self.function.frozen():
+            for k, inputs, targets in group.stage(self.slices()):
+                with group.on(k):
+                    J, r = self.strategy(self.replicas[k].program, points[k], inputs, targets)
+                    J = J.detach()
+                    r = r.detach()
+                    sums.count += r.numel()
+                    part_loss = torch.dot(r.to(wide), r.to(wide))
+                    part_grad = J.T @ r
+                    if store:
+                        part_col = (J * J).sum(0)
+                    else:
+                        sums.grams[k] = gram_update(sums.grams[k], J, self.gram_dtype)
+                # The vectors are added on the solver device in slice order, as one
+                # device would add them.
+                sums.loss_sum += group.gather(part_loss)
+                sums.grad += group.gather(part_grad)
+                if store:
+                    sums.col_sq += group.gather(part_col)
+                    sums.jacs.append(group.gather(J))
+                    sums.res.append(group.gather(r))
+        return sums
+
+    def _rows(self, sums: _Sums) -> tuple[Tensor | None, Tensor | None]:
+        """J's stored rows and their residuals (every rank's where they must be gathered)."""
+        if not self.store_rows:
+            return None, None
+        jac = sums.jacs[0] if len(sums.jacs) == 1 else torch.cat(sums.jacs)
+        residuals = sums.res[0] if len(sums.res) == 1 else torch.cat(sums.res)
+        if self.rows_gathered:
+            # The dual form and QR need every row of J: gather them, residuals riding
+            # along as a last column, in rank order (the order of the global batch).
+            both = self.reducer.gather_rows(torch.cat([jac, residuals[:, None]], dim=1))
+            jac, residuals = both[:, :-1], both[:, -1]
+        return jac, residuals
+
+    def loss_sum(self, x: Tensor) -> Tensor:
+        """``Σ r²`` at ``x`` over the whole batch and every rank, in float64 (0-d)."""
+        group = self.group
+        points = self.function.points(x)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        with torch.no_grad(), self.function.frozen():
+            for k, inputs, targets in group.stage(self.slices()):
+                with group.on(k):
+                    r = self.replicas[k].batch(points[k], inputs, targets).to(torch.float64)
+                    part = torch.dot(r, r)
+                total += group.gather(part)
+        self.reducer.sum_([total])
+        return total
+
+    def second_directional(
+        self, x: Tensor, v: Tensor, system: NormalEquations
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(Jᵀr_vv, r_vv)``, ``r_vv`` the second derivative of r along ``v`` (geodesic)."""
+        group = self.group
+        points = self.function.points(x)
+        tangents = [self.unflatten(vk) for vk in group.replicate(v)]
+        rvvs: list[Tensor] = []
+        b = torch.zeros_like(x)
+        with self.function.frozen():
+            for k, inputs, targets in group.stage(self.slices()):
+                params, tangent = points[k], tangents[k]
+
+                def f(
+                    p: dict[str, Tensor],
+                    inputs: Any = inputs,
+                    targets: Any = targets,
+                    ev: ModelEvaluator = self.replicas[k],
+                ) -> Tensor:
+                    return ev.batch(p, inputs, targets)
+
+                def jv(
+                    p: dict[str, Tensor],
+                    f: Callable[..., Tensor] = f,
+                    tangent: dict[str, Tensor] = tangent,
+                ) -> Tensor:
+                    out: Tensor = jvp(f, (p,), (tangent,))[1]
+                    return out
+
+                with group.on(k):
+                    rvv = jvp(jv, (params,), (tangent,))[1].detach()
+                    if system.jac is None:
+                        (ct,) = vjp(f, params)[1](rvv)
+                        part = torch.cat([ct[name].reshape(-1) for name in self.names]).detach()
+                rvvs.append(group.gather(rvv))
+                if system.jac is None:
+                    b += group.gather(part)
+        w = torch.cat(rvvs)
+        if self.rows_gathered:
+            # J holds every rank's rows: gather r_vv the same way, and Jᵀr_vv is then
+            # already the global product.
+            assert system.jac is not None
+            w = self.reducer.gather_rows(w[:, None])[:, 0]
+            return system.jac.T @ w.to(system.jac.dtype), w
+        if system.jac is not None:
+            b = system.jac.T @ w.to(system.jac.dtype)
+        self.reducer.sum_([b])
+        return b, w

@@ -47,24 +47,15 @@ class LMView:
 def lm_internals(opt: LevenbergMarquardt) -> LMView:
     """The one place the benchmark reaches inside :class:`LevenbergMarquardt`.
 
-    Uses the public ``opt.internals()`` hook (a frozen record with ``problem``,
-    ``damping_matrix``, ``damping_rule``, ``damping_state``) when the optimizer has
-    one, and the private attributes of the versions before it otherwise.
+    Reads the parts of the last step through ``opt.internals()`` (a frozen record with
+    ``problem``, ``damping_matrix``, ``damping_rule``, ``damping_state``).
     """
-    hook = getattr(opt, "internals", None)
-    if callable(hook):
-        inner = hook()
-        return LMView(
-            problem=inner.problem,
-            damping_matrix=inner.damping_matrix,
-            damping_state=inner.damping_state,
-            damping=float(inner.damping_state.damping),
-        )
+    inner = opt.internals()
     return LMView(
-        problem=opt._problem,
-        damping_matrix=opt._matrix,
-        damping_state=opt._damping,
-        damping=opt.damping,
+        problem=inner.problem,
+        damping_matrix=inner.damping_matrix,
+        damping_state=inner.damping_state,
+        damping=float(inner.damping_state.damping),
     )
 
 

@@ -42,14 +42,16 @@ def stepper(pkg: Any, x: Tensor, y: Tensor, hidden: int, warm: int, **options: A
     for _ in range(warm):
         opt.step(x, y)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    damping = (opt._damping.damping, opt._damping.nu)
+    damping_state = opt.internals().damping_state
+    damping = (damping_state.damping, damping_state.nu)
 
     def step() -> float:
         t0 = time.perf_counter()
         info = opt.step(x, y)
         dt = time.perf_counter() - t0
         model.load_state_dict(state)
-        opt._damping.damping, opt._damping.nu = damping
+        current = opt.internals().damping_state  # every timed step starts from one λ
+        current.damping, current.nu = damping
         attempts.append(info.attempts)
         return dt
 
@@ -62,11 +64,12 @@ def stages(
     opt: so.LevenbergMarquardt, label: str, x: Tensor, y: Tensor
 ) -> dict[str, Callable[[], float]]:
     """The stages of ``opt``'s step, each alone, at its current point."""
-    prob = opt._problem
+    inner = opt.internals()
+    prob = inner.problem
     with torch.no_grad():
         xv = torch.cat([p.detach().reshape(-1) for p in prob.params])
     system = prob.linearize(xv)
-    d = opt._matrix.diagonal(system.col_sq, opt._damping)
+    d = inner.damping_matrix.diagonal(system.col_sq, inner.damping_state)
     lam, gdt = opt.damping, prob.gram_dtype
     params = prob.unflatten(xv)
     J, _ = prob.strategy(prob.program, params, x, y)

@@ -71,7 +71,7 @@ class Config:
     @property
     def label(self) -> str:
         """One line for the table."""
-        return f"freq {self.frequency}, {self.communication_dtype} directions"
+        return f"freq {self.frequency}, {self.communication_dtype} directions, {self.steps} steps"
 
 
 # -- the exact count of the all-gather ------------------------------------------------------
@@ -234,7 +234,7 @@ def paper_table(
                 load = [0.0] * p
                 for b, r in zip(blocks, owners, strict=True):
                     load[r] += _flops(b, f)
-                for itemsize in itemsizes:
+                for itemsize in itemsizes[:1] if p == 1 else itemsizes:
                     share = gather_bytes(shapes, p, itemsize)
                     t = Traffic()
                     if p > 1:
@@ -287,7 +287,7 @@ def report(
         c = configs[0]
         lines += [
             f"Measured: the MNIST-1D CNN ({rows[0]['parameters']} parameters), global batch "
-            f"{c.batch} split over the ranks, gradients all-reduced, {c.steps} steps, gloo on "
+            f"{c.batch} split over the ranks, gradients all-reduced, gloo on "
             "CPU, 1 thread per rank; median s after the first step (rank 0). Gathered: "
             "bytes each rank hands to the all-gather of directions per step (counted), "
             "next to the LPT formula.",

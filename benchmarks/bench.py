@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import lm_methods
+from . import lm_methods, shampoo_methods
 from . import scaling as scaling_module
 from .core import (
     Family,
@@ -75,6 +75,7 @@ __all__ = [
 #: A new family adds its builder here (see :mod:`benchmarks.core`).
 FAMILIES: tuple[Callable[[int], Family], ...] = (
     lambda floor_reps: lm_methods.family(floor_reps=floor_reps),
+    lambda floor_reps: shampoo_methods.family(),
 )
 
 

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Override on a GPU machine, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo bench bench-quick scaling test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick scaling bench-shampoo scaling-shampoo test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ bench-quick: $(VENV)/.bench
 
 scaling: venv
 	$(PY) -m benchmarks.scaling
+
+bench-shampoo: $(VENV)/.bench
+	$(PY) -m benchmarks.shampoo_bench --quick --json out/shampoo/bench_quick.json
+
+scaling-shampoo: venv
+	$(PY) -m benchmarks.shampoo_scaling
 
 lint: venv
 	$(PY) -m ruff check secondorder tests examples benchmarks

@@ -276,6 +276,15 @@ def methods_for(problem: Problem, keys: Sequence[str] = METHODS) -> list[Method]
     return [m for key in METHODS if key in keys for m in makers[key](problem)]
 
 
+def _own(fn: Callable[[Problem], list[Method]]) -> Callable[[Problem], list[Method]]:
+    """``fn`` on LM's own problems; nothing on another family's."""
+
+    def make(problem: Problem) -> list[Method]:
+        return fn(problem) if problem.key in PROBLEMS else []
+
+    return make
+
+
 def _method_makers() -> dict[str, Callable[[Problem], list[Method]]]:
     # "lm" and "lm_fast" are selected together: "lm_fast" also brings the extras.
     def lm(problem: Problem) -> list[Method]:
@@ -285,11 +294,11 @@ def _method_makers() -> dict[str, Callable[[Problem], list[Method]]]:
         return [lm_method(k, v) for k, v in _lm_configs(problem, ["lm_fast"]).items()]
 
     return {
-        "lm": lm,
-        "lm_fast": lm_fast,
-        "tlm": lambda p: [tlm_method(p)],
-        "adam": lambda p: [adam_method(p)],
-        "scipy": scipy_methods,
+        "lm": _own(lm),
+        "lm_fast": _own(lm_fast),
+        "tlm": _own(lambda p: [tlm_method(p)]),
+        "adam": _own(lambda p: [adam_method(p)]),
+        "scipy": _own(scipy_methods),
     }
 
 
@@ -306,6 +315,8 @@ def comparisons(pr: ProblemResult) -> list[dict[str, Any]]:
     this config or no peer reached it; ``peers_reaching_target`` says which did).
     """
     p = pr.problem
+    if p.key not in PROBLEMS:
+        return []  # another family's problem: LM's comparisons do not apply
     ran = [m for m in pr.methods if m.status != "skipped" and m.step_seconds]
     ours = [m for m in ran if m.name.startswith("secondorder")]
     peers = [m for m in ran if not m.name.startswith("secondorder")]

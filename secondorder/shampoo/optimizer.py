@@ -89,7 +89,10 @@ class Shampoo(torch.optim.Optimizer):
     norm of the grafted method's direction; before preconditioning starts, the grafted
     direction itself.  Then decoupled weight decay and optional (Nesterov) momentum.
     ``preconditioner="eigenvalue_corrected"`` keeps Adam's second moment in the factors'
-    eigenbasis instead (SOAP).
+    eigenbasis instead (SOAP).  A root applied to fewer vectors between refreshes than
+    its size (``precondition_frequency · m < d``) is stored as ``D`` with root ``DᵀD``
+    (state key ``block{i}.root_factor{k}`` instead of ``block{i}.root{k}``), which
+    skips the ``2d³`` product that would form it; the step is the same to rounding.
 
     Choose it over Adam/AdamW when the extra per-step cost (an eigendecomposition per
     factor every ``precondition_frequency`` steps) buys fewer steps; start from the

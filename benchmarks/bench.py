@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import lm_methods
+from . import kfac_methods, kfac_scaling, lm_methods
 from . import scaling as scaling_module
 from .core import (
     Family,
@@ -75,7 +75,11 @@ __all__ = [
 #: A new family adds its builder here (see :mod:`benchmarks.core`).
 FAMILIES: tuple[Callable[[int], Family], ...] = (
     lambda floor_reps: lm_methods.family(floor_reps=floor_reps),
+    lambda floor_reps: kfac_methods.family(),
 )
+#: ``--family`` keys, one per entry of :data:`FAMILIES`; ``lm`` (the default) keeps the
+#: suite's problems as they were before other families joined.
+FAMILY_KEYS: tuple[str, ...] = ("lm", "kfac")
 
 
 def families(floor_reps: int = 5) -> list[Family]:
@@ -84,6 +88,11 @@ def families(floor_reps: int = 5) -> list[Family]:
 
 
 PROBLEMS: tuple[str, ...] = tuple(k for f in families() for k in f.problems)
+#: The problems of each ``--family`` key (``all``: every family's).
+FAMILY_PROBLEMS: dict[str, tuple[str, ...]] = {
+    **{key: tuple(f.problems) for key, f in zip(FAMILY_KEYS, families(), strict=True)},
+    "all": PROBLEMS,
+}
 METHODS: tuple[str, ...] = tuple(k for f in families() for k in f.methods)
 
 #: Kept for callers of the pre-split API: ``ProblemResult(problem, methods, floor)``.
@@ -113,10 +122,18 @@ def run_problem(
     floor_reps: int = 5,
     log: Callable[[str], None] = print,
 ) -> CoreProblemResult:
-    """Run every selected method of every family on ``problem``, then the sections."""
+    """Run the selected methods of the family that owns ``problem``, then the sections.
+
+    A problem no family owns gets every family's selected methods.
+    """
     fams = families(floor_reps)
+    owners = [f for f in fams if problem.key in f.problems]
     chosen = [
-        m for f in fams for key, make in f.methods.items() if key in methods for m in make(problem)
+        m
+        for f in owners or fams
+        for key, make in f.methods.items()
+        if key in methods
+        for m in make(problem)
     ]
     sections = [s for f in fams for s in f.sections]
     return core_run_problem(problem, chosen, sections, log)
@@ -138,12 +155,18 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small budgets: a few minutes on 2 cores")
     b.add_argument("--tiny", action="store_true", help="tiny sizes, seconds (for tests)")
     b.add_argument(
+        "--family",
+        choices=(*FAMILY_KEYS, "all"),
+        default="lm",
+        help="whose problems run by default and whose scaling report follows (default lm)",
+    )
+    b.add_argument(
         "--problems",
         nargs="+",
         choices=PROBLEMS,
-        default=list(PROBLEMS),
+        default=None,
         metavar="NAME",
-        help=f"problems to run (default all): {', '.join(PROBLEMS)}",
+        help=f"problems to run (default: the --family's): {', '.join(PROBLEMS)}",
     )
     b.add_argument(
         "--methods",
@@ -174,6 +197,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"--floor-reps must be >= 1, got {args.floor_reps}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    if args.problems is None:
+        args.problems = list(FAMILY_PROBLEMS[args.family])
     fams = families(args.floor_reps)
     problems = build_problems(quick=args.quick, tiny=args.tiny, keys=args.problems)
     info = machine(fams)
@@ -201,12 +226,17 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     report = core_markdown(results, header, fams)
     scaling: dict[str, Any] | None = None
-    if not (args.tiny or args.no_scaling):
+    if not (args.tiny or args.no_scaling) and args.family in ("lm", "all"):
         scaling_problem = scaling_module.QUICK if args.quick else scaling_module.FULL
         text, scaling = scaling_module.report(
             scaling_problem, (1, 2, 4), scaling_module.ModelAssumptions()
         )
         report += "\n\n## Scaling: processes, forms and communication\n\n" + text
+    if not (args.tiny or args.no_scaling) and args.family in ("kfac", "all"):
+        kfac_problem = kfac_scaling.QUICK if args.quick else kfac_scaling.FULL
+        text, kfac_data = kfac_scaling.report(kfac_problem, (1, 2))
+        scaling = {**(scaling or {}), "kfac": kfac_data}
+        report += "\n\n## K-FAC scaling: COMM-OPT, MEM-OPT, HYBRID-OPT\n\n" + text
     print()
     print(report)
     out = Path(args.out)
@@ -214,7 +244,9 @@ def run_bench(args: argparse.Namespace) -> int:
     (out / "bench.md").write_text(report + "\n")
     for pr in results:
         plot(pr, out / f"bench_{pr.problem.key}.png")
-    print(f"wrote {out / 'bench.md'} and {len(results)} plots in {out}")
+        if pr.problem.key in kfac_methods.PROBLEMS:
+            kfac_methods.plot_steps(pr, out / f"bench_{pr.problem.key}_steps.png")
+    print(f"wrote {out / 'bench.md'} and the plots of {len(results)} problems in {out}")
     if args.json:
         sections = [sec for f in fams for sec in f.sections]
         payload = {
@@ -240,7 +272,9 @@ def _command(args: argparse.Namespace) -> str:
         parts.append("--quick")
     if args.tiny:
         parts.append("--tiny")
-    if list(args.problems) != list(PROBLEMS):
+    if args.family != "lm":
+        parts.append(f"--family {args.family}")
+    if list(args.problems) != list(FAMILY_PROBLEMS[args.family]):
         parts.append("--problems " + " ".join(args.problems))
     if list(args.methods) != list(METHODS):
         parts.append("--methods " + " ".join(args.methods))

@@ -232,3 +232,53 @@ def test_eigen_unpacked_on_four_ranks_hybrid_differs_and_counts_match() -> None:
                 )  # fmt: skip
                 assert counted == asdict(model)
     assert {r["strategy"]: r["grad_workers"] for r in rows}["HYBRID-OPT"] == 2
+
+
+def test_a_failing_step_ends_only_its_row_with_the_error_named() -> None:
+    from benchmarks.core import Method, StepReport, torch_optimizer
+
+    problem = _problem("kfac_digits_mlp")
+    sgd = torch_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+    def make(problem: Any, model: torch.nn.Module) -> Any:
+        inner = sgd(problem, model)
+        calls = [0]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> StepReport:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("linalg.cholesky: not positive-definite")
+            return inner(x, y)
+
+        return step
+
+    result = run_method(problem, kfac_methods.guarded(Method(name="x", family="t", make=make)))
+    assert result.status == "failed"
+    assert result.note.startswith("step 3 raised RuntimeError: linalg.cholesky")
+    assert len(result.step_seconds) == 2 and result.steps[-1] == 2
+    # the row's last point is the model after its two good steps, as the plain runner gives
+    plain = run_method(problem, Method(name="y", family="t", make=sgd, max_steps=2, eval_every=1))
+    assert result.losses[-1] == plain.losses[-1]
+
+
+def test_bench_cli_runs_the_family_and_writes_its_sections_and_plots(tmp_path: Any) -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser()
+    bench.add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["bench", "--tiny", "--family", "kfac", "--problems", "autoencoder", "--methods",
+         "kfac", "sgd", "--out", str(tmp_path / "out"), "--json", str(tmp_path / "b.json")]
+    )  # fmt: skip
+    assert bench.run_bench(args) == 0
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["command"].startswith("python -m benchmarks.bench --tiny --family kfac")
+    (problem,) = data["problems"].values()
+    assert [m["name"] for m in problem["methods"]] == [
+        "K-FAC+SGD every 10 (lr 0.3)",
+        "SGD (lr 0.3)",
+    ]
+    assert [r["method"] for r in problem["kfac_iteration"]] == ["K-FAC+SGD every 10 (lr 0.3)"]
+    assert (tmp_path / "out" / "bench_autoencoder_steps.png").exists()
+    assert "x SGD" in (tmp_path / "out" / "bench.md").read_text()

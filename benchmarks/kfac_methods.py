@@ -176,12 +176,12 @@ def make_problem(key: str, mode: str = "full") -> Problem:
         make_model=autoencoder(sizes),
         loss=_autoencoder_loss,
         batch_size=32 if tiny else 128,
-        target=0.05,
+        target=0.065,
         max_steps=12 if tiny else 330 if quick else 1100,
         budget_s=30.0 if tiny else 60.0 if quick else 300.0,
         eval_every=4 if tiny else 10,
-        note="Batches of 128 (11 per epoch); the mean pixel's variance is 0.10 (the loss of "
-        "predicting each pixel's mean is about 0.10), so 0.05 halves it.",
+        note="Batches of 128 (11 per epoch). Predicting the mean image gives MSE 0.0732, the "
+        "plateau deep autoencoders first sit on; the target 0.065 means leaving it.",
         settings={
             "sgd_lrs": (0.3,) if tiny else (0.3, 1.0, 3.0),
             "adamw_lrs": (3e-3,) if tiny else (1e-3, 3e-3, 1e-2),
@@ -525,6 +525,30 @@ def ratios(pr: ProblemResult) -> list[dict[str, Any]]:
     return out
 
 
+def target_lines(pr: ProblemResult) -> list[str]:
+    """Steps and optimizer seconds to the target for every row (nothing off the family)."""
+    p = pr.problem
+    if p.key not in PROBLEMS:
+        return []
+    what = f"test accuracy ≥ {p.target:g}" if p.kind == "classification" else f"MSE ≤ {p.target:g}"
+    lines = [
+        f"Steps and optimizer time to the target ({what}; curve points every "
+        f"{p.eval_every} steps):",
+        "",
+        "| method | steps to target | time to target | steps run |",
+        "|---|---:|---:|---:|",
+    ]
+    for m in pr.methods:
+        if m.status == "skipped" or not m.steps:
+            continue
+        steps = m.steps_to(p.target, p.kind)
+        lines.append(
+            f"| {m.name} | {steps if steps is not None else 'not reached'} | "
+            f"{fmt_s(m.time_to(p.target, p.kind))} | {m.steps[-1]} |"
+        )
+    return [*lines, ""]
+
+
 def ratio_lines(pr: ProblemResult) -> list[str]:
     """The iteration-time table of one problem (nothing off the family)."""
     rows = ratios(pr)
@@ -601,7 +625,7 @@ def family() -> Family:
         key="kfac_iteration",
         measure=None,
         summary=lambda pr: {"kfac_iteration": ratios(pr)} if pr.problem.key in PROBLEMS else {},
-        markdown=ratio_lines,
+        markdown=lambda pr: target_lines(pr) + ratio_lines(pr),
     )
     return Family(
         name=FAMILY_NAME,

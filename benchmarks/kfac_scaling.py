@@ -460,9 +460,9 @@ def _bytes(b: float) -> str:
 
 
 def _secs(s: float) -> str:
-    if s >= 1:
+    if s >= 0.9995:
         return f"{s:.3g} s"
-    if s >= 1e-3:
+    if s >= 0.9995e-3:
         return f"{s * 1e3:.3g} ms"
     return f"{s * 1e6:.3g} µs"
 

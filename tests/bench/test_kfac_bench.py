@@ -35,7 +35,7 @@ def _problem(key: str) -> Any:
 
 
 def test_runner_kfac_row_equals_a_hand_loop_of_kfac_optimizer_bitwise() -> None:
-    problem = _problem("kfac_digits_mlp")
+    problem = _problem("mnist1d_cnn")  # Conv1d and Linear layers
     method = kfac_methods.kfac_method(problem, 2)  # updates on every other step
     result = run_method(problem, method)
     assert result.status == "ok" and result.steps[-1] == problem.max_steps
@@ -63,13 +63,13 @@ def test_runner_kfac_row_equals_a_hand_loop_of_kfac_optimizer_bitwise() -> None:
 
 
 def test_tiny_suite_structure_and_ratio_section() -> None:
-    problem = _problem("autoencoder")
+    problem = _problem("mnist1d_cnn")
     fam = kfac_methods.family()
     methods = kfac_methods.methods_for(problem, ("kfac", "kfac_every1", "sgd"))
     assert [m.name for m in methods] == [
-        "K-FAC+SGD every 10 (lr 0.3)",
-        "K-FAC+SGD every step (lr 0.3)",
-        "SGD (lr 0.3)",
+        "K-FAC+SGD every 10 (lr 0.1)",
+        "K-FAC+SGD every step (lr 0.1)",
+        "SGD (lr 0.1)",
     ]
     pr = run_problem(problem, methods, fam.sections, log=lambda _: None)
     rows = kfac_methods.ratios(pr)
@@ -81,7 +81,7 @@ def test_tiny_suite_structure_and_ratio_section() -> None:
         assert set(r["phases_s"]) == set(kfac_methods.PHASES)
     assert pr.methods[1].steps[-1] == problem.setting("every1_steps")
     text = "\n".join(kfac_methods.ratio_lines(pr))
-    assert "| K-FAC+SGD every 10 (lr 0.3) |" in text and "x SGD" in text
+    assert "| K-FAC+SGD every 10 (lr 0.1) |" in text and "x SGD" in text
     # the methods table shows K-FAC's phase column and '-' for SGD
     assert kfac_methods.phase_cell(pr.methods[2]) == "-"
     assert kfac_methods.phase_cell(pr.methods[0]).count(" / ") == len(kfac_methods.PHASES) - 1
@@ -237,7 +237,7 @@ def test_eigen_unpacked_on_four_ranks_hybrid_differs_and_counts_match() -> None:
 def test_a_failing_step_ends_only_its_row_with_the_error_named() -> None:
     from benchmarks.core import Method, StepReport, torch_optimizer
 
-    problem = _problem("kfac_digits_mlp")
+    problem = _problem("mnist1d_cnn")
     sgd = torch_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
 
     def make(problem: Any, model: torch.nn.Module) -> Any:
@@ -268,7 +268,7 @@ def test_bench_cli_runs_the_family_and_writes_its_sections_and_plots(tmp_path: A
     parser = argparse.ArgumentParser()
     bench.add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(
-        ["bench", "--tiny", "--family", "kfac", "--problems", "autoencoder", "--methods",
+        ["bench", "--tiny", "--family", "kfac", "--problems", "mnist1d_cnn", "--methods",
          "kfac", "sgd", "--out", str(tmp_path / "out"), "--json", str(tmp_path / "b.json")]
     )  # fmt: skip
     assert bench.run_bench(args) == 0
@@ -276,9 +276,10 @@ def test_bench_cli_runs_the_family_and_writes_its_sections_and_plots(tmp_path: A
     assert data["command"].startswith("python -m benchmarks.bench --tiny --family kfac")
     (problem,) = data["problems"].values()
     assert [m["name"] for m in problem["methods"]] == [
-        "K-FAC+SGD every 10 (lr 0.3)",
-        "SGD (lr 0.3)",
+        "K-FAC+SGD every 10 (lr 0.1)",
+        "SGD (lr 0.1)",
     ]
-    assert [r["method"] for r in problem["kfac_iteration"]] == ["K-FAC+SGD every 10 (lr 0.3)"]
-    assert (tmp_path / "out" / "bench_autoencoder_steps.png").exists()
-    assert "x SGD" in (tmp_path / "out" / "bench.md").read_text()
+    assert [r["method"] for r in problem["kfac_iteration"]] == ["K-FAC+SGD every 10 (lr 0.1)"]
+    assert (tmp_path / "out" / "bench_mnist1d_cnn_steps.png").exists()
+    report = (tmp_path / "out" / "bench.md").read_text()
+    assert "x SGD" in report and "| method | steps to target |" in report

@@ -2,8 +2,12 @@
 
 Runs each family's methods against their peers in one process, on the same data, from
 the same initial weights, with the same thread count, and reports time per step, time
-to the target and the curves (:mod:`benchmarks.core`).  Today the suite holds the LM
-family (:mod:`benchmarks.lm_methods`):
+to the target and the curves (:mod:`benchmarks.core`).  ``--family`` picks whose
+problems run by default: ``lm`` (the default), ``kfac`` (:mod:`benchmarks.kfac_methods`:
+K-FAC + SGD against SGD, AdamW and asdfghjkl on MNIST-1D, digits and a deep autoencoder,
+then the COMM-OPT / MEM-OPT / HYBRID-OPT scaling report of :mod:`benchmarks.kfac_scaling`)
+or ``all``; each problem runs only its own family's methods.  The LM family
+(:mod:`benchmarks.lm_methods`):
 
 * secondorder LM with its default settings, and with the fastest settings measured
   for the problem (stated in the output);

@@ -36,7 +36,8 @@ def _problem(key: str) -> Any:
 
 def test_runner_kfac_row_equals_a_hand_loop_of_kfac_optimizer_bitwise() -> None:
     problem = _problem("mnist1d_cnn")  # Conv1d and Linear layers
-    method = kfac_methods.kfac_method(problem, 2)  # updates on every other step
+    # the wrapper the suite's rows use; updates on every other step
+    method = kfac_methods.guarded(kfac_methods.kfac_method(problem, 2))
     result = run_method(problem, method)
     assert result.status == "ok" and result.steps[-1] == problem.max_steps
 

@@ -2,8 +2,12 @@
 
 Runs each family's methods against their peers in one process, on the same data, from
 the same initial weights, with the same thread count, and reports time per step, time
-to the target and the curves (:mod:`benchmarks.core`).  Today the suite holds the LM
-family (:mod:`benchmarks.lm_methods`):
+to the target and the curves (:mod:`benchmarks.core`).  ``--family`` picks whose
+problems run by default: ``lm`` (the default), ``kfac`` (:mod:`benchmarks.kfac_methods`:
+K-FAC + SGD against SGD, AdamW and asdfghjkl on MNIST-1D, digits and a deep autoencoder,
+then the COMM-OPT / MEM-OPT / HYBRID-OPT scaling report of :mod:`benchmarks.kfac_scaling`)
+or ``all``; each problem runs only its own family's methods.  The LM family
+(:mod:`benchmarks.lm_methods`):
 
 * secondorder LM with its default settings, and with the fastest settings measured
   for the problem (stated in the output);
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 
-from . import lm_methods, shampoo_methods
+from . import kfac_methods, kfac_scaling, lm_methods, shampoo_methods
 from . import scaling as scaling_module
 from .core import (
     Family,
@@ -75,8 +79,12 @@ __all__ = [
 #: A new family adds its builder here (see :mod:`benchmarks.core`).
 FAMILIES: tuple[Callable[[int], Family], ...] = (
     lambda floor_reps: lm_methods.family(floor_reps=floor_reps),
+    lambda floor_reps: kfac_methods.family(),
     lambda floor_reps: shampoo_methods.family(),
 )
+#: ``--family`` keys, one per entry of :data:`FAMILIES`; ``lm`` (the default) keeps the
+#: suite's problems as they were before other families joined.
+FAMILY_KEYS: tuple[str, ...] = ("lm", "kfac", "shampoo")
 
 
 def families(floor_reps: int = 5) -> list[Family]:
@@ -85,6 +93,11 @@ def families(floor_reps: int = 5) -> list[Family]:
 
 
 PROBLEMS: tuple[str, ...] = tuple(k for f in families() for k in f.problems)
+#: The problems of each ``--family`` key (``all``: every family's).
+FAMILY_PROBLEMS: dict[str, tuple[str, ...]] = {
+    **{key: tuple(f.problems) for key, f in zip(FAMILY_KEYS, families(), strict=True)},
+    "all": PROBLEMS,
+}
 METHODS: tuple[str, ...] = tuple(k for f in families() for k in f.methods)
 
 #: Kept for callers of the pre-split API: ``ProblemResult(problem, methods, floor)``.
@@ -114,10 +127,18 @@ def run_problem(
     floor_reps: int = 5,
     log: Callable[[str], None] = print,
 ) -> CoreProblemResult:
-    """Run every selected method of every family on ``problem``, then the sections."""
+    """Run the selected methods of the family that owns ``problem``, then the sections.
+
+    A problem no family owns gets every family's selected methods.
+    """
     fams = families(floor_reps)
+    owners = [f for f in fams if problem.key in f.problems]
     chosen = [
-        m for f in fams for key, make in f.methods.items() if key in methods for m in make(problem)
+        m
+        for f in owners or fams
+        for key, make in f.methods.items()
+        if key in methods
+        for m in make(problem)
     ]
     sections = [s for f in fams for s in f.sections]
     return core_run_problem(problem, chosen, sections, log)
@@ -139,12 +160,18 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small budgets: a few minutes on 2 cores")
     b.add_argument("--tiny", action="store_true", help="tiny sizes, seconds (for tests)")
     b.add_argument(
+        "--family",
+        choices=(*FAMILY_KEYS, "all"),
+        default="lm",
+        help="whose problems run by default and whose scaling report follows (default lm)",
+    )
+    b.add_argument(
         "--problems",
         nargs="+",
         choices=PROBLEMS,
-        default=list(PROBLEMS),
+        default=None,
         metavar="NAME",
-        help=f"problems to run (default all): {', '.join(PROBLEMS)}",
+        help=f"problems to run (default: the --family's): {', '.join(PROBLEMS)}",
     )
     b.add_argument(
         "--methods",
@@ -175,6 +202,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"--floor-reps must be >= 1, got {args.floor_reps}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    if args.problems is None:
+        args.problems = list(FAMILY_PROBLEMS[args.family])
     fams = families(args.floor_reps)
     problems = build_problems(quick=args.quick, tiny=args.tiny, keys=args.problems)
     info = machine(fams)
@@ -202,12 +231,17 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     report = core_markdown(results, header, fams)
     scaling: dict[str, Any] | None = None
-    if not (args.tiny or args.no_scaling):
+    if not (args.tiny or args.no_scaling) and args.family in ("lm", "all"):
         scaling_problem = scaling_module.QUICK if args.quick else scaling_module.FULL
         text, scaling = scaling_module.report(
             scaling_problem, (1, 2, 4), scaling_module.ModelAssumptions()
         )
         report += "\n\n## Scaling: processes, forms and communication\n\n" + text
+    if not (args.tiny or args.no_scaling) and args.family in ("kfac", "all"):
+        kfac_problem = kfac_scaling.QUICK if args.quick else kfac_scaling.FULL
+        text, kfac_data = kfac_scaling.report(kfac_problem, (1, 2))
+        scaling = {**(scaling or {}), "kfac": kfac_data}
+        report += "\n\n## K-FAC scaling: COMM-OPT, MEM-OPT, HYBRID-OPT\n\n" + text
     print()
     print(report)
     out = Path(args.out)
@@ -215,7 +249,9 @@ def run_bench(args: argparse.Namespace) -> int:
     (out / "bench.md").write_text(report + "\n")
     for pr in results:
         plot(pr, out / f"bench_{pr.problem.key}.png")
-    print(f"wrote {out / 'bench.md'} and {len(results)} plots in {out}")
+        if pr.problem.key in kfac_methods.PROBLEMS:
+            kfac_methods.plot_steps(pr, out / f"bench_{pr.problem.key}_steps.png")
+    print(f"wrote {out / 'bench.md'} and the plots of {len(results)} problems in {out}")
     if args.json:
         sections = [sec for f in fams for sec in f.sections]
         payload = {
@@ -241,7 +277,9 @@ def _command(args: argparse.Namespace) -> str:
         parts.append("--quick")
     if args.tiny:
         parts.append("--tiny")
-    if list(args.problems) != list(PROBLEMS):
+    if args.family != "lm":
+        parts.append(f"--family {args.family}")
+    if list(args.problems) != list(FAMILY_PROBLEMS[args.family]):
         parts.append("--problems " + " ".join(args.problems))
     if list(args.methods) != list(METHODS):
         parts.append("--methods " + " ".join(args.methods))

@@ -269,7 +269,8 @@ def paper_table(
 class CountingReducer(ProcessGroupReducer):
     """A :class:`ProcessGroupReducer` that tallies the bytes it hands to collectives.
 
-    Counts the tensors passed to :meth:`sum_` and :meth:`broadcast_` and, for
+    Counts the tensors passed to :meth:`sum_`, :meth:`broadcast_` and
+    :meth:`broadcast_from_` (reducers made by :meth:`split` count into the same tally) and, for
     :meth:`gather_rows`, the row-count exchange (``2·world`` int64) and this rank's
     rows (the all-gather pads every rank's share to the largest; with equal shares
     that is exactly what travels).  Nothing is counted on a single rank, where no
@@ -279,29 +280,53 @@ class CountingReducer(ProcessGroupReducer):
     def __init__(self, group: Any = None, **kwargs: Any) -> None:
         super().__init__(group, **kwargs)
         self._tally = Traffic()
+        #: the reducer whose tally this one adds to (itself, or the parent it was split from)
+        self._owner: CountingReducer = self
 
     def take(self) -> Traffic:
         """The traffic since the last call, and reset."""
-        out, self._tally = self._tally, Traffic()
+        owner = self._owner
+        out, owner._tally = owner._tally, Traffic()
         return out
+
+    def _count(self, traffic: Traffic) -> None:
+        self._owner._tally += traffic
+
+    def broadcast_from_(self, tensors: Sequence[Tensor], src: int) -> None:
+        """Counted as a broadcast (K-FAC shares decompositions and gradients this way)."""
+        if self.world_size > 1:
+            size = sum(t.numel() * t.element_size() for t in tensors)
+            self._count(Traffic(broadcast=size, broadcast_calls=1))
+        super().broadcast_from_(tensors, src)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Any:
+        """The sub-group's reducer, counting into this reducer's tally."""
+        sub = super().split(groups)
+        if sub is self:
+            return self
+        child = CountingReducer.__new__(CountingReducer)
+        child.__dict__.update(sub.__dict__)
+        child._tally = Traffic()
+        child._owner = self._owner
+        return child
 
     def sum_(self, tensors: Sequence[Tensor]) -> None:
         if self.world_size > 1:
             size = sum(t.numel() * t.element_size() for t in tensors)
-            self._tally += Traffic(allreduce=size, allreduce_calls=1)
+            self._count(Traffic(allreduce=size, allreduce_calls=1))
         super().sum_(tensors)
 
     def broadcast_(self, tensors: Sequence[Tensor]) -> None:
         if self.world_size > 1:
             size = sum(t.numel() * t.element_size() for t in tensors)
-            self._tally += Traffic(broadcast=size, broadcast_calls=1)
+            self._count(Traffic(broadcast=size, broadcast_calls=1))
         super().broadcast_(tensors)
 
     def gather_rows(self, tensor: Tensor) -> Tensor:
         if self.world_size > 1:
-            self._tally += Traffic(allreduce=2 * self.world_size * 8, allreduce_calls=1)
-            self._tally += Traffic(
-                allgather=tensor.numel() * tensor.element_size(), allgather_calls=1
+            self._count(Traffic(allreduce=2 * self.world_size * 8, allreduce_calls=1))
+            self._count(
+                Traffic(allgather=tensor.numel() * tensor.element_size(), allgather_calls=1)
             )
         return super().gather_rows(tensor)
 

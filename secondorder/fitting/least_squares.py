@@ -35,7 +35,7 @@ from ..lm.damping import (
 from ..lm.engine import EngineConfig, iterate
 from ..lm.linalg import NormalEquations, make_solver
 from .bounds import BoxTransform, parse_bounds
-from .functions import jacobian_function, residual_function
+from .functions import jacobian_function, output_eps, residual_function
 from .losses import LOSSES, rho
 from .problem import FunctionProblem, is_finite_system
 from .result import MESSAGES, OptimizeResult
@@ -243,6 +243,7 @@ def _build_problem(
         shape=(f0.numel(), x_start.numel()),
         args=args,
         kwargs=kwargs,
+        eps=output_eps(probe),
     )
     return FunctionProblem(
         residuals,

@@ -12,12 +12,20 @@ fit reports.
 
 from .curve_fit import curve_fit
 from .least_squares import least_squares
-from .report import FitReport, correlation, covariance, fit_report, standard_errors
+from .report import (
+    FitReport,
+    UndeterminedWarning,
+    correlation,
+    covariance,
+    fit_report,
+    standard_errors,
+)
 from .result import OptimizeResult
 
 __all__ = [
     "FitReport",
     "OptimizeResult",
+    "UndeterminedWarning",
     "correlation",
     "covariance",
     "curve_fit",

@@ -18,9 +18,23 @@ import torch
 from torch import Tensor
 from torch.func import jacfwd, jacrev
 
-__all__ = ["finite_difference", "jacobian_function", "residual_function"]
+__all__ = ["finite_difference", "jacobian_function", "output_eps", "residual_function"]
 
 Fn = Callable[[Tensor], Tensor]
+
+
+def output_eps(values: Any) -> float:
+    """Machine epsilon of the residuals ``fun`` returned: float64's, or a coarser dtype's.
+
+    The residuals are carried in float64, but a ``fun`` computing in float32 (or float16)
+    resolves changes only down to its own epsilon; the finite-difference step is sized
+    from the coarser of the two (scipy's rule since gh-12991).
+    """
+    dtype = values.dtype if isinstance(values, Tensor) else np.asarray(values).dtype
+    eps = float(np.finfo(np.float64).eps)
+    if isinstance(dtype, torch.dtype):
+        return max(eps, float(torch.finfo(dtype).eps)) if dtype.is_floating_point else eps
+    return max(eps, float(np.finfo(dtype).eps)) if np.issubdtype(dtype, np.floating) else eps
 
 
 def residual_function(
@@ -59,6 +73,7 @@ def jacobian_function(
     shape: tuple[int, int],
     args: Sequence[Any],
     kwargs: dict[str, Any],
+    eps: float = float(torch.finfo(torch.float64).eps),
 ) -> Fn:
     """``x ↦ J(x)``, ``(m, n)``, by the strategy ``jac`` names.
 
@@ -72,7 +87,7 @@ def jacobian_function(
     if numpy_fun or jac in ("2-point", "3-point"):
         # A NumPy fun with jac="fwd" or "rev" gets the central scheme: any name other than
         # "2-point" is central in finite_difference (kept as it was).
-        return finite_difference(residuals, "2-point" if jac == "auto" else str(jac))
+        return finite_difference(residuals, "2-point" if jac == "auto" else str(jac), eps=eps)
     m, n = shape
     mode = jac if jac != "auto" else ("fwd" if m >= n else "rev")
     out: Fn = jacfwd(residuals) if mode == "fwd" else jacrev(residuals)
@@ -106,15 +121,19 @@ def _user_jacobian(
     return user_jac
 
 
-def finite_difference(fun: Fn, scheme: str) -> Fn:
+def finite_difference(
+    fun: Fn, scheme: str, *, eps: float = float(torch.finfo(torch.float64).eps)
+) -> Fn:
     """The Jacobian of ``fun`` by finite differences, one column per parameter.
 
     ``"2-point"`` is the forward difference ``(f(x + h eᵢ) - f(x)) / h`` with
     ``h = √eps·max(1, |xᵢ|)`` (error O(h), one evaluation per column); any other scheme
     is the central difference ``(f(x + h eᵢ) - f(x - h eᵢ)) / 2h`` with
     ``h = eps^(1/3)·max(1, |xᵢ|)`` (error O(h²), two evaluations per column).
+    ``eps`` is the precision ``fun`` computes in (:func:`output_eps`): a float32 ``fun``
+    needs steps about 2900 times longer than a float64 one, or ``f(x + h eᵢ) - f(x)``
+    is rounding noise.
     """
-    eps = torch.finfo(torch.float64).eps
 
     def jac(x: Tensor) -> Tensor:
         f0 = fun(x)

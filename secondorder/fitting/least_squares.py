@@ -15,6 +15,7 @@ bounds' change of variables (:mod:`.bounds`, :mod:`.problem`; robust losses in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from ..lm.damping import (
 from ..lm.engine import EngineConfig, iterate
 from ..lm.linalg import NormalEquations, make_solver
 from .bounds import BoxTransform, parse_bounds
-from .functions import jacobian_function, residual_function
+from .functions import jacobian_function, output_eps, residual_function
 from .losses import LOSSES, rho
 from .problem import FunctionProblem, is_finite_system
 from .result import MESSAGES, OptimizeResult
@@ -226,7 +227,8 @@ def _build_problem(
     Whether ``fun`` speaks torch (differentiable) or NumPy is decided by calling it once
     with the kind of array ``x0`` is: what it returns decides.
     """
-    probe = fun(x_start.numpy().copy() if numpy_in else x_start.clone(), *args, **kwargs)
+    probe = _probe(fun, args, kwargs, x_start, numpy_in, autodiff=isinstance(opts.jac, str)
+                   and opts.jac in ("auto", "fwd", "rev"))  # fmt: skip
     numpy_fun = not isinstance(probe, Tensor)
     residuals = residual_function(fun, args, kwargs, numpy_fun=numpy_fun)
     f0 = residuals(x_start).detach()
@@ -241,6 +243,7 @@ def _build_problem(
         shape=(f0.numel(), x_start.numel()),
         args=args,
         kwargs=kwargs,
+        eps=output_eps(probe),
     )
     return FunctionProblem(
         residuals,
@@ -251,6 +254,48 @@ def _build_problem(
         need_gram=opts.solver in ("cholesky", "eigh"),
         differentiable=not numpy_fun,
     )
+
+
+def _probe(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    x_start: Tensor,
+    numpy_in: bool,
+    *,
+    autodiff: bool,
+) -> Any:
+    """``fun(x0)``; a torch ``fun`` to be differentiated is checked to depend on ``x``.
+
+    Autodiff of residuals that were detached from ``x`` (``.detach()``, ``.item()``, a
+    NumPy round trip, ``torch.no_grad()``) gives a zero Jacobian, and the zero gradient
+    would pass the gtol test at ``x0``: a false success.  So the first call records a
+    graph and the residuals must reach ``x`` through it.
+    """
+    if numpy_in:
+        return fun(x_start.numpy().copy(), *args, **kwargs)
+    if not autodiff:
+        return fun(x_start.clone(), *args, **kwargs)
+    leaf = x_start.clone().requires_grad_(True)
+    with torch.enable_grad(), warnings.catch_warnings():
+        # float(x[i]) on the recording x warns; the check below says what is wrong.
+        warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad")
+        out = fun(leaf.clone(), *args, **kwargs)
+        connected = (
+            isinstance(out, Tensor)
+            and out.is_floating_point()
+            and out.requires_grad
+            and torch.autograd.grad(out.sum(), leaf, allow_unused=True)[0] is not None
+        )
+    if isinstance(out, Tensor) and out.is_floating_point() and not connected:
+        raise ValueError(
+            "fun's residuals do not depend on the parameters x: the residuals at x0 are "
+            "not connected to x by autograd (detached with .detach(), .item(), .numpy() or "
+            "torch.no_grad(), or computed from other tensors only), so their Jacobian "
+            "would be 0 and x0 would pass for a minimum; compute the residuals from x "
+            "with torch operations, or pass jac= (a callable, '2-point' or '3-point')"
+        )
+    return out.detach() if isinstance(out, Tensor) else out
 
 
 # ---------------------------------------------------------------------------------------

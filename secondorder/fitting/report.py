@@ -34,22 +34,50 @@ from torch import Tensor
 from .arrays import as_float64, like
 from .result import OptimizeResult
 
-__all__ = ["FitReport", "correlation", "covariance", "fit_report", "standard_errors"]
+__all__ = [
+    "FitReport",
+    "UndeterminedWarning",
+    "correlation",
+    "covariance",
+    "fit_report",
+    "standard_errors",
+]
 
 
-def _unscaled_covariance(J: Tensor) -> Tensor:
-    """``(JᵀJ)⁻¹`` through the SVD of J, dropping directions J cannot see.
+class UndeterminedWarning(RuntimeWarning):
+    """Some parameters are not determined by the data (their variance is infinite).
 
-    Singular values below ``eps·max(m, n)·s_max`` are treated as zero (a
-    pseudo-inverse), so a parameter the data do not determine gets no spurious,
-    astronomically large covariance from round-off; this is also scipy's rule.
+    Raised as :class:`scipy.optimize.OptimizeWarning` when scipy is installed, as scipy's
+    ``curve_fit`` does, and as this class otherwise.
     """
-    _, s, Vh = torch.linalg.svd(J, full_matrices=False)
-    if s.numel() == 0 or float(s[0]) == 0.0:
-        return torch.zeros(J.shape[1], J.shape[1], dtype=J.dtype)
-    keep = s > torch.finfo(J.dtype).eps * max(J.shape) * s[0]
-    s, Vh = s[keep], Vh[keep]
-    return (Vh.T / s**2) @ Vh
+
+
+def _undetermined_category() -> type[Warning]:
+    try:
+        from scipy.optimize import OptimizeWarning
+    except ImportError:  # scipy is optional
+        return UndeterminedWarning
+    return OptimizeWarning
+
+
+def _unscaled_covariance(J: Tensor) -> tuple[Tensor, Tensor]:
+    """``((JᵀJ)⁻¹, undetermined)`` through the SVD of J.
+
+    Singular values below ``eps·max(m, n)·s_max`` are treated as zero (scipy's rule).
+    Moving the parameters along such a direction does not change the residuals, so
+    the data say nothing about it: every parameter with a component along one (more
+    than √eps of it) is *undetermined*, and its variance is infinite, not the 0 a
+    pseudo-inverse would give (a parameter the model ignores is the simplest case).
+    """
+    n = J.shape[1]
+    _, s, Vh = torch.linalg.svd(J, full_matrices=True)
+    rank = 0
+    if s.numel() > 0 and float(s[0]) > 0.0:
+        rank = int((s > torch.finfo(J.dtype).eps * max(J.shape) * s[0]).sum())
+    kept, null = Vh[:rank], Vh[rank:]
+    cov = (kept.T / s[:rank] ** 2) @ kept
+    undetermined = torch.linalg.vector_norm(null, dim=0) > math.sqrt(torch.finfo(J.dtype).eps)
+    return cov.reshape(n, n), undetermined
 
 
 def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
@@ -86,7 +114,7 @@ def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
     if J.ndim != 2:
         raise ValueError(f"res.jac must be a 2-D Jacobian, got shape {tuple(J.shape)}")
     m, n = J.shape
-    cov = _unscaled_covariance(J)
+    cov, undetermined = _unscaled_covariance(J)
     if not absolute_sigma:
         if m > n:
             cov = cov * (2.0 * float(res.cost) / (m - n))
@@ -100,6 +128,18 @@ def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
             cov = torch.full_like(cov, math.inf)
     if bool(torch.isnan(cov).any()):
         cov = torch.full_like(cov, math.inf)
+    if bool(undetermined.any()):
+        which = torch.nonzero(undetermined).flatten().tolist()
+        warnings.warn(
+            f"Covariance of the parameters could not be estimated for parameters {which}: "
+            "the residuals do not change along some combination of them (the Jacobian "
+            "is rank deficient), so their variance is infinite; fix or remove them",
+            _undetermined_category(),
+            stacklevel=2,
+        )
+        cov = cov.clone()
+        cov[undetermined, :] = math.inf
+        cov[:, undetermined] = math.inf
     return like(cov, res.x)
 
 
@@ -269,8 +309,10 @@ def fit_report(
     if not ok or not 0.0 <= min_correlation <= 1.0:
         raise ValueError(f"Invalid min_correlation={min_correlation!r}: must be in [0, 1].")
     with warnings.catch_warnings():
-        # A report without degrees of freedom says so in its own table.
+        # A report without degrees of freedom, or with undetermined parameters, says so
+        # in its own table.
         warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.simplefilter("ignore", _undetermined_category())
         cov = as_float64(covariance(res, absolute_sigma=absolute_sigma), "cov")
     m = int(as_float64(res.fun, "res.fun").numel())
     chisqr = 2.0 * float(res.cost)

@@ -2,7 +2,9 @@
 
 :func:`fit <secondorder.training.fit>` and the Lightning integration accept the same
 shapes of data, so they share these helpers: a batch is ``(inputs, targets)`` (a tuple or
-list of two, ``targets`` may be ``None``) or a bare ``inputs`` tensor.
+list of two, ``targets`` may be ``None``) or a bare ``inputs`` tensor.  ``inputs`` may
+itself be a tuple or list of tensors, for a model of several inputs: ``((x1, x2), y)`` is
+one batch whose model is called as ``model((x1, x2))``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,27 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["batches", "is_single_batch", "split_batch"]
+__all__ = ["batch_size", "batches", "is_single_batch", "split_batch"]
+
+
+def _is_inputs(item: Any) -> bool:
+    """Whether ``item`` is the inputs of one batch: a tensor or a tuple/list of tensors."""
+    if isinstance(item, Tensor):
+        return True
+    return (
+        isinstance(item, (tuple, list))
+        and len(item) > 0
+        and all(isinstance(t, Tensor) for t in item)
+    )
+
+
+def batch_size(inputs: Any, targets: Any) -> int:
+    """Samples in a batch: the targets' length, else that of the (first) input tensor."""
+    if targets is not None:
+        return len(targets)
+    if isinstance(inputs, (tuple, list)) and inputs and isinstance(inputs[0], Tensor):
+        return len(inputs[0])
+    return len(inputs)
 
 
 def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
@@ -33,11 +55,16 @@ def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
 
 
 def is_single_batch(data: Any) -> bool:
-    """Whether ``data`` is one ``(inputs, targets)`` batch rather than a collection of them."""
+    """Whether ``data`` is one ``(inputs, targets)`` batch rather than a collection of them.
+
+    A pair is one batch when its targets are a tensor or ``None`` and its inputs are a
+    tensor or a tuple/list of tensors (several inputs); a collection of batches has
+    batches, not tensors, as its items, so ``[(x1, y1), (x2, y2)]`` stays two batches.
+    """
     return (
         isinstance(data, (tuple, list))
         and len(data) == 2
-        and isinstance(data[0], Tensor)
+        and _is_inputs(data[0])
         and (data[1] is None or isinstance(data[1], Tensor))
     )
 

@@ -9,6 +9,7 @@ patience on the validation metric, a callback returning ``True``.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -144,9 +145,14 @@ class Loop:
         if patience is not None and self.stale >= patience and not self.stop:
             self.stop = (
                 f"early stopping: validation {self.history.metric} did not improve for "
-                f"{patience} epoch{'s' if patience > 1 else ''} (best "
-                f"{self.history.best_validation:.6g} at epoch {self.history.best_epoch})"
+                f"{patience} epoch{'s' if patience > 1 else ''} ({self._best_text()})"
             )
+
+    def _best_text(self) -> str:
+        best = self.history.best_validation
+        if best is None:
+            return "no epoch had a validation value that is not NaN"
+        return f"best {best:.6g} at epoch {self.history.best_epoch}"
 
     def _validate(self, epoch: int) -> float | None:
         """Measure the metric (off the clock); track the best epoch and its parameters."""
@@ -157,7 +163,10 @@ class Loop:
         self.spent_validating += time.perf_counter() - tv
         history = self.history
         best = history.best_validation
-        if best is None or (value > best if self.stopping.maximize else value < best):
+        # NaN compares false with everything: taken as best once, nothing would ever
+        # replace it.  It is never best and counts as an epoch without improvement.
+        better = best is None or (value > best if self.stopping.maximize else value < best)
+        if better and not math.isnan(value):
             history.best_validation, history.best_epoch = value, epoch
             self.stale = 0
             if self.stopping.restore_best:

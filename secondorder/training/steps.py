@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..lm import LevenbergMarquardt, ModelResidual
+from .data import batch_size
 from .history import StepRecord
 from .protocol import StepResult, TrainingStep
 
@@ -162,7 +163,7 @@ class TorchStep:
         """``(loss × batch size, batch size)``: the validation loss is a per-sample mean."""
         with torch.no_grad():
             loss = self._loss(inputs, targets)
-        size = len(targets) if targets is not None else len(inputs)
+        size = batch_size(inputs, targets)
         return float(loss) * size, size
 
     def describe(self, record: StepRecord) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .data import batches, is_single_batch
+from .data import batch_size, batches, is_single_batch
 from .protocol import TrainingStep
 
 __all__ = ["METRICS", "accuracy", "validator"]
@@ -23,18 +23,33 @@ __all__ = ["METRICS", "accuracy", "validator"]
 METRICS = ("loss", "accuracy")
 
 
+def _squeezed(shape: torch.Size) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
 def accuracy(outputs: Tensor, targets: Tensor) -> tuple[float, int]:
     """``(right, count)``: argmax of the outputs (or the sign of one logit) against labels.
 
     Targets may be class indices, or one-hot rows / class probabilities (their argmax).
+    They must hold one label per prediction; shapes that differ only by dimensions of
+    size 1 (``(N, 1)`` labels for ``(N,)`` predictions) are the same labels, anything else
+    raises, since comparing them would broadcast into a meaningless count.
     """
     if outputs.ndim >= 2 and outputs.shape[1] > 1:
+        if targets.is_floating_point() and targets.shape == outputs.shape:
+            targets = targets.argmax(1)  # one-hot or class probabilities
         pred = outputs.argmax(1)
     else:
-        pred = (outputs.reshape(targets.shape) > 0).to(targets.dtype)
-    if targets.is_floating_point() and targets.shape == outputs.shape and outputs.ndim >= 2:
-        targets = targets.argmax(1)  # one-hot or class probabilities
-    return float((pred == targets).sum()), int(targets.numel())
+        pred = outputs > 0
+    if _squeezed(pred.shape) != _squeezed(targets.shape):
+        raise ValueError(
+            f"metric='accuracy' needs one label per prediction: outputs of shape "
+            f"{tuple(outputs.shape)} give predictions of shape {tuple(pred.shape)}, but the "
+            f"targets have shape {tuple(targets.shape)}; pass class indices of shape "
+            f"{tuple(pred.shape)} (or one-hot rows shaped like the outputs)"
+        )
+    targets = targets.reshape(pred.shape)
+    return float((pred.to(targets.dtype) == targets).sum()), int(targets.numel())
 
 
 def _callable_validator(fn: Callable[[], Any], metric: Any) -> tuple[Callable[[], float], str]:
@@ -64,7 +79,7 @@ def _score(stepper: TrainingStep, metric: Any, inputs: Any, targets: Any) -> tup
         outputs = stepper.model(inputs)
     if metric == "accuracy":
         return accuracy(outputs, targets)
-    k = len(targets) if targets is not None else len(inputs)
+    k = batch_size(inputs, targets)
     return float(metric(outputs, targets)) * k, k
 
 

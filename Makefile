@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Override on a GPU machine, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo bench bench-quick scaling bench-shampoo scaling-shampoo test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick scaling bench-kfac bench-shampoo scaling-shampoo test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench-quick: $(VENV)/.bench
 
 scaling: venv
 	$(PY) -m benchmarks.scaling
+
+bench-kfac: $(VENV)/.bench
+	$(PY) -m benchmarks.bench --quick --family kfac --threads 1 --out out/kfac --json out/kfac/bench_quick.json
 
 bench-shampoo: $(VENV)/.bench
 	$(PY) -m benchmarks.shampoo_bench --quick --json out/shampoo/bench_quick.json

@@ -22,6 +22,7 @@ from . import distributed, fitting, kfac, lm, shampoo, training
 from .fitting import (
     FitReport,
     OptimizeResult,
+    UndeterminedWarning,
     correlation,
     covariance,
     curve_fit,
@@ -90,6 +91,7 @@ __all__ = [
     "StepResult",
     "TensorBoardLogger",
     "TrainingStep",
+    "UndeterminedWarning",
     "correlation",
     "covariance",
     "curve_fit",

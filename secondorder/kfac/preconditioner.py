@@ -417,8 +417,8 @@ class KFAC:
             bufs = []
             for name, g in grads.items():
                 if asg.block(name) == b:
-                    if name not in out:
-                        out[name] = torch.empty_like(g)
+                    # a layer's result may be a padded view; collectives want it dense
+                    out[name] = out[name].contiguous() if name in out else torch.empty_like(g)
                     bufs.append(out[name])
             if bufs:
                 self._receivers.broadcast_from_(bufs, b)

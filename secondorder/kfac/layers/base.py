@@ -389,29 +389,46 @@ class KroneckerLayer(KFACLayer):
         self._eig_scale = (damping, dA, dG, dA._version, dG._version, r)
         return r
 
+    def _aligned(self, key: str, like: Tensor) -> Tensor:
+        # A product's output with rows of a width that is not a multiple of 16 floats
+        # (1281 = 1280 inputs and the bias) ran ~20% slower than with 1280 (measured,
+        # MKL, one thread); writing it into a reused buffer with padded rows (only the
+        # leading dimension changes, the values are bitwise the same) recovers that.
+        *lead, n = like.shape
+        width = -(-n // 16) * 16
+        b = self._buffer(key, (*lead, width), like)
+        return b[..., :n]
+
     def precondition(self, grad: Tensor, method: str, damping: float) -> Tensor:  # noqa: D102
+        # The result is a view into a buffer this layer reuses at its next call.
         inv = self.inv
+        ping, pong = "p0", "p1"
         if method == "eigen":
             QA, dA, QG, dG = inv["QA"], inv["dA"], inv["QG"], inv["dG"]
-            v = QG.mT @ grad.to(QA.dtype) @ QA
+            g = grad.to(QA.dtype)
+            t = torch.bmm(QG.mT, g, out=self._aligned(ping, g))
+            v = torch.bmm(t, QA, out=self._aligned(pong, g))
             v.mul_(self._eigen_scale(dA, dG, damping))
-            p = QG @ v @ QA.mT
+            t = torch.bmm(QG, v, out=self._aligned(ping, g))
+            p = torch.bmm(t, QA.mT, out=self._aligned(pong, g))
             return p.to(grad.dtype)
         dtype = (inv["G_inv"] if "G_inv" in inv else inv["G_chol"]).dtype
         v = grad.to(dtype)
+        t = self._aligned(ping, v)
         if "G_inv" in inv:
-            v = inv["G_inv"] @ v
+            torch.bmm(inv["G_inv"], v, out=t)
         else:
             ug = inv["G_chol"]  # G + λI = UᵀU: U⁻¹(U⁻ᵀ v)
-            v = torch.linalg.solve_triangular(ug.mT, v, upper=False)
-            v = torch.linalg.solve_triangular(ug, v, upper=True)
+            torch.linalg.solve_triangular(ug.mT, v, upper=False, out=t)
+            torch.linalg.solve_triangular(ug, t, upper=True, out=t)
+        p = self._aligned(pong, v)
         if "A_inv" in inv:
-            v = v @ inv["A_inv"]
+            torch.bmm(t, inv["A_inv"], out=p)
         else:
             ua = inv["A_chol"]  # (v U⁻¹) U⁻ᵀ
-            v = torch.linalg.solve_triangular(ua, v, upper=True, left=False)
-            v = torch.linalg.solve_triangular(ua.mT, v, upper=False, left=False)
-        return v.to(grad.dtype)
+            torch.linalg.solve_triangular(ua, t, upper=True, left=False, out=p)
+            torch.linalg.solve_triangular(ua.mT, p, upper=False, left=False, out=p)
+        return p.to(grad.dtype)
 
     def curvature(self, delta: Tensor) -> Tensor:  # noqa: D102
         assert self.A is not None and self.G is not None

@@ -66,10 +66,19 @@ class KFACLayer:
 
     def add_a(self, x: Tensor) -> None:
         """Add one forward call's input to the A statistics."""
-        s, rows = self.a_stats(x.detach().to(self.factor_dtype))
-        self.a_sum = s if self.a_sum is None else self.a_sum + s
+        self.a_sum, rows = self.accumulate_a(x.detach().to(self.factor_dtype), self.a_sum)
         self.a_rows += rows
         self.forward_calls += 1
+
+    def accumulate_a(self, x: Tensor, acc: Tensor | None) -> tuple[Tensor, int]:
+        """``acc + Σ a aᵀ`` of one input (a new sum if ``acc`` is None), and its row count."""
+        s, rows = self.a_stats(x)
+        return (s if acc is None else acc + s), rows
+
+    def accumulate_g(self, g: Tensor, acc: Tensor | None) -> Tensor:
+        """``acc + Σ g gᵀ`` of one scaled output gradient (a new sum if ``acc`` is None)."""
+        s = self.g_stats(g)
+        return s if acc is None else acc + s
 
     def add_g(self, grad_output: Tensor, scale: float, samples: int) -> None:
         """Add one backward call's output gradient, times ``scale``, to the G statistics.
@@ -79,8 +88,7 @@ class KFACLayer:
         GradScaler's scale); ``samples`` is the batch size of that call.
         """
         g = grad_output.detach().to(self.factor_dtype) * scale
-        s = self.g_stats(g)
-        self.g_sum = s if self.g_sum is None else self.g_sum + s
+        self.g_sum = self.accumulate_g(g, self.g_sum)
         self.g_samples += samples
         self.backward_calls += 1
 
@@ -307,17 +315,12 @@ class KroneckerLayer(KFACLayer):
         tmp = self._buffer(key + "_tmp", (g, k, k), rows) if bias else None
         return _gram(rows, bias, out, tmp, add=acc is not None)
 
-    def add_a(self, x: Tensor) -> None:  # noqa: D102
-        rows = self.a_rows_of(x.detach().to(self.factor_dtype))
-        self.a_sum = self._accumulate("a", rows, self.has_bias, self.a_sum)
-        self.a_rows += rows.shape[1]
-        self.forward_calls += 1
+    def accumulate_a(self, x: Tensor, acc: Tensor | None) -> tuple[Tensor, int]:  # noqa: D102
+        rows = self.a_rows_of(x)
+        return self._accumulate("a", rows, self.has_bias, acc), rows.shape[1]
 
-    def add_g(self, grad_output: Tensor, scale: float, samples: int) -> None:  # noqa: D102
-        rows = self.g_rows_of(grad_output.detach().to(self.factor_dtype) * scale)
-        self.g_sum = self._accumulate("g", rows, False, self.g_sum)
-        self.g_samples += samples
-        self.backward_calls += 1
+    def accumulate_g(self, g: Tensor, acc: Tensor | None) -> Tensor:  # noqa: D102
+        return self._accumulate("g", self.g_rows_of(g), False, acc)
 
     def a_stats(self, x: Tensor) -> tuple[Tensor, int]:  # noqa: D102
         rows = self.a_rows_of(x)

@@ -13,7 +13,7 @@ from torch import nn
 
 from secondorder.kfac import KFAC
 from secondorder.kfac.layers import conv_patch_rows, conv_patches
-from secondorder.kfac.layers.base import spd_cholesky
+from secondorder.kfac.layers.base import spd_cholesky, spd_inverse
 from secondorder.kfac.preconditioner import _all_finite
 
 DT = torch.float64
@@ -84,6 +84,17 @@ def test_spd_cholesky_of_an_indefinite_rounding_is_finite_and_close() -> None:
     rounding = 40 * torch.finfo(torch.float32).eps * float(m.diagonal().max())
     err = float((chol.T @ chol - m).abs().max())
     assert err <= abs(low) + 3 * rounding
+
+
+@pytest.mark.parametrize("n", [520, 528])  # padded to a multiple of 16, and not
+def test_spd_inverse_and_cholesky_of_a_large_factor(n: int) -> None:
+    torch.manual_seed(9)
+    a = torch.randn(n, n + 7, dtype=DT)
+    m = (a @ a.T / n + 0.1 * torch.eye(n, dtype=DT)).unsqueeze(0)
+    torch.testing.assert_close(spd_inverse(m), torch.linalg.inv(m), rtol=1e-9, atol=1e-9)
+    u = spd_cholesky(m)
+    assert u.shape == m.shape and torch.equal(u, u.triu())
+    torch.testing.assert_close(u.mT @ u, m, rtol=1e-12, atol=1e-12)
 
 
 CONV_CASES = [

@@ -191,6 +191,21 @@ def _sym_eigh(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return d.clamp(min=0.0), q
 
 
+def _pad_identity(m: Tensor) -> Tensor:
+    # LAPACK's Cholesky and inverse ran ~15% faster at n = 1296 than at n = 1281
+    # (1280 inputs and the bias; measured, MKL, one thread).  blockdiag(m, I) has the
+    # factor blockdiag(chol m, I) and the inverse blockdiag(m⁻¹, I): its top-left block
+    # is the answer.  Only large odd sizes are padded: that is where it was measured.
+    n = m.shape[-1]
+    if n < 512 or n % 16 == 0:
+        return m
+    w = -(-n // 16) * 16
+    out = m.new_zeros(*m.shape[:-2], w, w)
+    out[..., :n, :n] = m
+    out.diagonal(dim1=-2, dim2=-1)[..., n:] = 1.0
+    return out
+
+
 def spd_inverse(m: Tensor) -> Tensor:
     """Inverse of a symmetric positive definite (batch of) matrix by Cholesky.
 
@@ -200,10 +215,11 @@ def spd_inverse(m: Tensor) -> Tensor:
     # LAPACK works on column-major copies: handing it the transposed view of the
     # symmetric m (column-major already) and reading the symmetric result back through
     # its transpose spares two transposing copies of the matrix (~15% at n = 1281).
-    chol, info = torch.linalg.cholesky_ex(m.mT)
+    n = m.shape[-1]
+    chol, info = torch.linalg.cholesky_ex(_pad_identity(m).mT)
     if bool((info != 0).any()):
         return torch.linalg.inv(m)
-    return torch.cholesky_inverse(chol).mT
+    return torch.cholesky_inverse(chol).mT[..., :n, :n]
 
 
 def spd_cholesky(m: Tensor) -> Tensor:
@@ -214,15 +230,15 @@ def spd_cholesky(m: Tensor) -> Tensor:
     so that its smallest eigenvalue is ``n·eps·max|diag|`` (where :func:`spd_inverse`
     falls back to LU, which the solves cannot).
     """
-    chol, info = torch.linalg.cholesky_ex(m.mT)
+    n = m.shape[-1]
+    chol, info = torch.linalg.cholesky_ex(_pad_identity(m).mT)
     if bool((info != 0).any()):
-        n = m.shape[-1]
         low = torch.linalg.eigvalsh(m)[..., :1].clamp(max=0.0)
         tiny = n * torch.finfo(m.dtype).eps * m.diagonal(dim1=-2, dim2=-1).abs().amax(-1, True)
         m = m.clone()
         m.diagonal(dim1=-2, dim2=-1).add_(tiny - low)
-        chol = torch.linalg.cholesky(m.mT)
-    return chol.mT
+        chol = torch.linalg.cholesky(_pad_identity(m).mT)
+    return chol.mT[..., :n, :n]
 
 
 #: The inverse method keeps a factor of size ``n`` as its Cholesky factor, and solves

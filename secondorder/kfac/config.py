@@ -108,7 +108,10 @@ class KFACConfig:
         kl_clip: bound on ``lr²⟨P, ∇⟩`` (None: no clipping).
         lr: the learning rate the KL clip assumes.
         accumulation_steps: micro-batches per optimizer step (each loss divided by it).
-        compute_method: ``"eigen"`` or ``"inverse"``.
+        compute_method: ``"eigen"`` or ``"inverse"``.  Inverse is about half the cost
+            per step and a small fraction per decomposition (Cholesky against eigh);
+            with ``inv_update_steps`` small it keeps a factor as its Cholesky factor and
+            solves instead of forming the inverse (same result up to rounding).
         factor_dtype: dtype of A and G (None: the parameter's).
         inv_dtype: dtype of the eigendecomposition or inverse.
         skip_layers: module names or class names (case-insensitive) left unpreconditioned.

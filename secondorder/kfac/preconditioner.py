@@ -54,6 +54,13 @@ def _unpack(v: Tensor, n: int) -> Tensor:
     return out + torch.triu(out, diagonal=1).mT
 
 
+def _all_finite(t: Tensor) -> bool:
+    # A sum is finite only if every term is (inf and NaN propagate): one reduction
+    # instead of isfinite's full-size temporaries; the elementwise test settles a
+    # finite tensor whose sum overflowed.
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 class KFAC:
     r"""Kronecker-factored preconditioning of Linear, Conv1d/2d and Embedding gradients.
 
@@ -360,7 +367,7 @@ class KFAC:
             [[layer.a_rows, layer.g_samples] for layer in layers], dtype=torch.float64
         )
         self.reducer.sum_([*tensors, counts])
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        if not all(_all_finite(t) for t in tensors):
             # a GradScaler overflow: the optimizer step is skipped too
             self.skipped_factor_updates += 1
             return
@@ -378,9 +385,10 @@ class KFAC:
     def _update_inverses(self, damping: float) -> None:
         cfg = self.config
         asg, rank = self.assignment, self.reducer.rank
+        uses = int(cfg.at("inv_update_steps", self.steps))
         for name, layer in self.layers.items():
             if asg.inverse_worker[name] == rank:
-                layer.decompose(cfg.compute_method, damping, cfg.inv_dtype)
+                layer.decompose(cfg.compute_method, damping, cfg.inv_dtype, uses)
         k = asg.grad_workers
         if k == 1:
             return
@@ -390,7 +398,7 @@ class KFAC:
                 t
                 for name, layer in self.layers.items()
                 if asg.inverse_worker[name] == block * k + src
-                for t in layer.inverse_buffers(cfg.compute_method, cfg.inv_dtype)
+                for t in layer.inverse_buffers(cfg.compute_method, cfg.inv_dtype, uses)
             ]
             if bufs:
                 self._workers.broadcast_from_(bufs, src)
@@ -409,8 +417,8 @@ class KFAC:
             bufs = []
             for name, g in grads.items():
                 if asg.block(name) == b:
-                    if name not in out:
-                        out[name] = torch.empty_like(g)
+                    # a layer's result may be a padded view; collectives want it dense
+                    out[name] = out[name].contiguous() if name in out else torch.empty_like(g)
                     bufs.append(out[name])
             if bufs:
                 self._receivers.broadcast_from_(bufs, b)

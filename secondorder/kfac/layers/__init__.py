@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import KFACLayer, KroneckerLayer
-from .conv import ConvLayer, conv_patches
+from .conv import ConvLayer, conv_patch_rows, conv_patches
 from .embedding import EmbeddingLayer
 from .linear import LinearLayer
 
@@ -13,5 +13,6 @@ __all__ = [
     "KFACLayer",
     "KroneckerLayer",
     "LinearLayer",
+    "conv_patch_rows",
     "conv_patches",
 ]

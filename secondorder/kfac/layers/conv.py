@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .base import KroneckerLayer
 
-__all__ = ["ConvLayer", "conv_patches"]
+__all__ = ["ConvLayer", "conv_patch_rows", "conv_patches"]
 
 
 def conv_patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
@@ -45,6 +45,36 @@ def conv_patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     return F.unfold(x, kernel_size=kernel, dilation=dilation, stride=stride)
 
 
+def conv_patch_rows(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
+    """The patches of :func:`conv_patches` as rows: ``(groups, N·positions, C/groups·k)``.
+
+    Row ``n·P + p`` is sample ``n`` at output position ``p`` (row-major), column
+    ``c·K + j`` input channel ``c`` of the group at kernel offset ``j``.  Cut from a
+    strided view of the padded input and copied once into this layout: ``F.unfold``
+    would write the patches once and the permutation to rows copy them again.
+    """
+    pad = module._reversed_padding_repeated_twice
+    if any(pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, list(pad), mode=mode)
+    v = x
+    nd = len(module.kernel_size)
+    conv_dims = zip(module.kernel_size, module.dilation, module.stride, strict=True)
+    for d, (k, dil, st) in enumerate(conv_dims):
+        # window of the dilated kernel's span at every stride, then every dil-th tap
+        v = v.unfold(2 + d, dil * (k - 1) + 1, st)
+    taps = (slice(None),) * (2 + nd) + tuple(slice(None, None, dil) for dil in module.dilation)
+    v = v[taps]  # (N, C, *positions, *kernel)
+    n, c = v.shape[:2]
+    g = module.groups
+    v = v.reshape(n, g, c // g, *v.shape[2:])
+    # (g, N, *positions, C/g, *kernel)
+    order = (1, 0, *range(3, 3 + nd), 2, *range(3 + nd, 3 + 2 * nd))
+    rows = v.permute(order)
+    k = c // g * math.prod(module.kernel_size)
+    return rows.reshape(g, -1, k)
+
+
 class ConvLayer(KroneckerLayer):
     """K-FAC block of an ``nn.Conv1d`` or ``nn.Conv2d`` (any stride/padding/dilation/groups)."""
 
@@ -64,21 +94,14 @@ class ConvLayer(KroneckerLayer):
         g = self.groups
         return (g, self.n_in, self.n_in), (g, self.n_out, self.n_out)
 
-    def a_stats(self, x: Tensor) -> tuple[Tensor, int]:  # noqa: D102
-        p = conv_patches(self.conv, x)  # (N, C·k, L)
-        n, ck, length = p.shape
-        g = self.groups
-        # (groups, N·L, C/g·k): rows are (sample, position) pairs.
-        a = p.reshape(n, g, ck // g, length).permute(1, 0, 3, 2).reshape(g, n * length, ck // g)
-        if self.has_bias:
-            a = torch.cat([a, a.new_ones(g, n * length, 1)], dim=2)
-        return a.mT @ a, n * length
+    def a_rows_of(self, x: Tensor) -> Tensor:  # noqa: D102
+        return conv_patch_rows(self.conv, x)
 
-    def g_stats(self, g: Tensor) -> Tensor:  # noqa: D102
+    def g_rows_of(self, g: Tensor) -> Tensor:  # noqa: D102
         n, o = g.shape[:2]
         k = self.groups
-        rows = g.reshape(n, k, o // k, -1).permute(1, 0, 3, 2).reshape(k, -1, o // k)
-        return rows.mT @ rows
+        # (groups, N·positions, o/groups), rows in the order of conv_patch_rows
+        return g.reshape(n, k, o // k, -1).permute(1, 0, 3, 2).reshape(k, -1, o // k)
 
     def grad(self) -> Tensor | None:  # noqa: D102
         w = self.conv.weight.grad

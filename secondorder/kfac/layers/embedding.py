@@ -67,12 +67,14 @@ class EmbeddingLayer(KFACLayer):
         assert weight.grad is not None
         weight.grad.copy_(p[0].T)
 
-    def inverse_shapes(self, method: str) -> dict[str, tuple[int, ...]]:  # noqa: D102
+    def inverse_shapes(self, method: str, uses: int = 1) -> dict[str, tuple[int, ...]]:  # noqa: D102
         if method == "eigen":
             return {"dA": (1, self.num), "QG": (1, self.dim, self.dim), "dG": (1, self.dim)}
         return {"A_inv": (1, self.num), "G_inv": (1, self.dim, self.dim)}
 
-    def decompose(self, method: str, damping: float, dtype: torch.dtype) -> None:  # noqa: D102
+    def decompose(  # noqa: D102
+        self, method: str, damping: float, dtype: torch.dtype, uses: int = 1
+    ) -> None:
         if self.A is None or self.G is None:
             self.A, self.G = self.identity_factors()
         if method == "eigen":

@@ -29,15 +29,11 @@ class LinearLayer(KroneckerLayer):
     def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:  # noqa: D102
         return (1, self.n_in, self.n_in), (1, self.n_out, self.n_out)
 
-    def a_stats(self, x: Tensor) -> tuple[Tensor, int]:  # noqa: D102
-        a = x.reshape(-1, x.shape[-1])
-        if self.has_bias:
-            a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-        return (a.T @ a).unsqueeze(0), a.shape[0]
+    def a_rows_of(self, x: Tensor) -> Tensor:  # noqa: D102
+        return x.reshape(1, -1, x.shape[-1])
 
-    def g_stats(self, g: Tensor) -> Tensor:  # noqa: D102
-        g = g.reshape(-1, g.shape[-1])
-        return (g.T @ g).unsqueeze(0)
+    def g_rows_of(self, g: Tensor) -> Tensor:  # noqa: D102
+        return g.reshape(1, -1, g.shape[-1])
 
     def grad(self) -> Tensor | None:  # noqa: D102
         w = self.linear.weight.grad

@@ -566,25 +566,48 @@ class Shampoo(torch.optim.Optimizer):
                 f"but this optimizer is rank {here['rank']} of {here['world_size']}: load "
                 "each rank's own file into a run with the same world size."
             )
+        # All or nothing: the groups are checked before anything changes; a saved state
+        # that does not fit the blocks is found only by building them, so the previous
+        # groups, state and blocks are put back if that fails.
         saved_groups = state_dict["param_groups"]
         groups = [dict(g) for g in saved_groups]
         for g in groups:
             g["grafting_config"] = config_from_dict(g.get("grafting_config"))
             g["root_inv_config"] = config_from_dict(g.get("root_inv_config"))
-        # Torch's loader would cast floating state to the parameter's dtype (a float64
-        # factor of a float32 parameter would lose bits), so the state is restored here.
-        super().load_state_dict({"state": {}, "param_groups": groups})
-        id_to_param = {
-            pid: p
-            for sg, g in zip(saved_groups, self.param_groups, strict=True)
-            for pid, p in zip(sg["params"], g["params"], strict=True)
-        }
-        self.state = defaultdict(dict)
-        for pid, pstate in state_dict["state"].items():
-            p = id_to_param[pid]
-            self.state[p] = {k: v.detach().clone().to(p.device) for k, v in pstate.items()}
-        for group in self.param_groups:
-            self._normalize(group)
-            validate_group(group)
-        self._built = False
-        self._build()
+            self._normalize(g)
+            validate_group(g)
+        previous = (
+            self.param_groups,
+            self.state,
+            self._built,
+            self._batches,
+            self._blocks,
+            self._structures,
+        )
+        try:
+            # Torch's loader would cast floating state to the parameter's dtype (a float64
+            # factor of a float32 parameter would lose bits), so the state is restored here.
+            super().load_state_dict({"state": {}, "param_groups": groups})
+            id_to_param = {
+                pid: p
+                for sg, g in zip(saved_groups, self.param_groups, strict=True)
+                for pid, p in zip(sg["params"], g["params"], strict=True)
+            }
+            self.state = defaultdict(dict)
+            for pid, pstate in state_dict["state"].items():
+                p = id_to_param[pid]
+                self.state[p] = {k: v.detach().clone().to(p.device) for k, v in pstate.items()}
+            for group in self.param_groups:
+                self._normalize(group)
+            self._built = False
+            self._build()
+        except BaseException:
+            (
+                self.param_groups,
+                self.state,
+                self._built,
+                self._batches,
+                self._blocks,
+                self._structures,
+            ) = previous
+            raise

@@ -491,6 +491,80 @@ def test_load_refuses_another_rank_layout() -> None:
         opt.load_state_dict(sd)
 
 
+def _assert_same_state_dict(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Bitwise equal optimizer state dicts: same keys, dtypes and bits, same groups."""
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid, sa in a["state"].items():
+        sb = b["state"][pid]
+        assert sa.keys() == sb.keys()
+        for k, v in sa.items():
+            assert v.dtype == sb[k].dtype and torch.equal(v, sb[k]), (pid, k)
+
+
+def _twins(
+    shape: tuple[int, ...], **kw: Any
+) -> tuple[list[torch.Tensor], Shampoo, list[torch.Tensor], Shampoo]:
+    """Two identical float64 parameters-and-optimizers, the second kept as the reference."""
+    torch.manual_seed(0)
+    w = [torch.randn(*shape, dtype=torch.float64), torch.randn(shape[0], dtype=torch.float64)]
+    pa = [x.clone().requires_grad_() for x in w]
+    pb = [x.clone().requires_grad_() for x in w]
+    return pa, Shampoo(pa, **kw), pb, Shampoo(pb, **kw)
+
+
+def _step_both(
+    pairs: list[tuple[list[torch.Tensor], torch.optim.Optimizer]], grads: list[torch.Tensor]
+) -> None:
+    for params, opt in pairs:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+
+
+def test_refused_load_leaves_the_optimizer_as_it_was() -> None:
+    kw: dict[str, Any] = dict(
+        max_preconditioner_dim=4, grafting_config=AdamGraftingConfig(), momentum=0.5
+    )
+    pa, oa, pb, ob = _twins((6, 5), **kw)
+    gen = torch.Generator().manual_seed(2)
+
+    def grads() -> list[torch.Tensor]:
+        return [
+            torch.randn(6, 5, generator=gen, dtype=torch.float64),
+            torch.randn(6, generator=gen, dtype=torch.float64),
+        ]
+
+    for _ in range(2):
+        _step_both([(pa, oa), (pb, ob)], grads())
+    before = oa.state_dict()
+    # (5, 6) saved into (6, 5): same number of entries, other block shapes.
+    q = [
+        torch.randn(5, 6, dtype=torch.float64, requires_grad=True),
+        torch.randn(6, dtype=torch.float64, requires_grad=True),
+    ]
+    oq = Shampoo(q, **kw)
+    _step_both(
+        [(q, oq)], [torch.randn(5, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the saved state 'block1.factor1' of parameter param_groups\[0\]\['params'\]\[0\] "
+        r"\(shape \(6, 5\)\) has shape \(2, 2\), expected \(1, 1\)",
+    ):
+        oa.load_state_dict(oq.state_dict())
+    bad = ob.state_dict()
+    bad["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"Invalid lr=-1.0"):
+        oa.load_state_dict(bad)
+    _assert_same_state_dict(oa.state_dict(), before)
+    for _ in range(3):  # and it still steps exactly like the untouched twin
+        _step_both([(pa, oa), (pb, ob)], grads())
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+
+
 def test_param_groups_have_their_own_hyperparameters() -> None:
     dtype = torch.float64
     m1, m2 = _model(dtype), _model(dtype)

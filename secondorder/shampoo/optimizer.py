@@ -194,16 +194,26 @@ class Shampoo(torch.optim.Optimizer):
 
     # -- configuration -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:  # noqa: D102
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self._normalize(group)
-        validate_group(group)
-        for p in group["params"]:
-            if not p.is_floating_point():
+        # Checked on a copy with the defaults filled in, before torch appends the group:
+        # a refused group leaves param_groups (and every later step) as they were.
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch names the set error itself
+            params = list(params)  # a generator is read once, here
+            param_group["params"] = params
+        probe = {**self.defaults, **param_group}
+        self._normalize(probe)
+        validate_group(probe)
+        for q in params:
+            q = q[1] if isinstance(q, tuple) else q  # (name, parameter) pairs
+            if isinstance(q, Tensor) and not q.is_floating_point():
                 raise TypeError(
-                    f"Shampoo optimizes floating-point parameters; got one of dtype {p.dtype} "
-                    f"and shape {tuple(p.shape)}"
+                    f"Shampoo optimizes floating-point parameters; got one of dtype {q.dtype} "
+                    f"and shape {tuple(q.shape)}"
                 )
+        super().add_param_group(param_group)
+        self._normalize(self.param_groups[-1])
         self._built = False
 
     @staticmethod

@@ -565,6 +565,32 @@ def test_refused_load_leaves_the_optimizer_as_it_was() -> None:
     _assert_same_state_dict(oa.state_dict(), ob.state_dict())
 
 
+def test_refused_param_group_is_not_added() -> None:
+    kw: dict[str, Any] = dict(grafting_config=AdamGraftingConfig(), momentum=0.5)
+    pa, oa, pb, ob = _twins((4, 3), **kw)
+    grads = [torch.ones(4, 3, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
+    _step_both([(pa, oa), (pb, ob)], grads)
+    before = oa.state_dict()
+    extra = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"Invalid lr=-1.0: must be in \[0.0, inf\)"):
+        oa.add_param_group({"params": [extra], "lr": -1.0})
+    with pytest.raises(
+        TypeError,
+        match=r"Shampoo optimizes floating-point parameters; got one of dtype torch.int64",
+    ):
+        oa.add_param_group({"params": iter([torch.zeros(3, dtype=torch.int64)])})
+    assert len(oa.param_groups) == 1
+    _assert_same_state_dict(oa.state_dict(), before)
+    _step_both([(pa, oa), (pb, ob)], [2 * g for g in grads])
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    # A valid group (from a generator) still joins and steps.
+    oa.add_param_group({"params": (x for x in [extra]), "lr": 0.1})
+    extra.grad = torch.ones(3, dtype=torch.float64)
+    oa.step()
+    assert len(oa.param_groups) == 2 and extra.ne(0).all()
+
+
 def test_param_groups_have_their_own_hyperparameters() -> None:
     dtype = torch.float64
     m1, m2 = _model(dtype), _model(dtype)

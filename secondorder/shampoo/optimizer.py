@@ -28,7 +28,12 @@ from .config import (
     validate_group,
 )
 from .distributor import assign_blocks, block_cost, gather_directions
-from .grafting import grafting_direction, grafting_has_state, update_grafting
+from .grafting import (
+    grafting_direction,
+    grafting_has_state,
+    update_grafting,
+    update_grafting_out_of_place,
+)
 from .preconditioner import (
     EigenvalueCorrectedPreconditioner,
     Preconditioner,
@@ -67,6 +72,17 @@ class _Batch:
     factored: tuple[bool, ...] = ()
 
 
+@dataclass
+class _Prepared:
+    """One batch's blocks with a gradient: their state (a copy if not all), G and W."""
+
+    blocks: list[_Block]
+    index: Tensor | None
+    state: dict[str, Tensor]
+    G: Tensor
+    W: Tensor | None
+
+
 def _structure(group: dict[str, Any]) -> tuple[Any, ...]:
     """What fixes the layout of the state: changing it after the first step is an error."""
     return (
@@ -93,6 +109,10 @@ class Shampoo(torch.optim.Optimizer):
     its size (``precondition_frequency · m < d``) is stored as ``D`` with root ``DᵀD``
     (state key ``block{i}.root_factor{k}`` instead of ``block{i}.root{k}``), which
     skips the ``2d³`` product that would form it; the step is the same to rounding.
+
+    Non-finite gradients, and finite ones that would overflow the factors or the
+    grafting state (checked exactly in float64, see ``_check_overflow``), raise
+    ``FloatingPointError`` before any state or parameter changes.
 
     Choose it over Adam/AdamW when the extra per-step cost (an eigendecomposition per
     factor every ``precondition_frequency`` steps) buys fewer steps; start from the
@@ -416,23 +436,29 @@ class Shampoo(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             if any(p.grad is not None for p in group["params"]):
                 steps[gi] = int(self.state[group["params"][0]]["step"].item()) + 1
+        prepared = [
+            (batch, prep)
+            for batch in self._batches
+            if batch.group_index in steps and (prep := self._prepare(batch)) is not None
+        ]
+        self._check_overflow(prepared)
         directions: dict[int, Tensor] = {}
-        for batch in self._batches:
-            if batch.group_index in steps:
-                self._step_batch(batch, steps[batch.group_index], directions)
+        for batch, prep in prepared:
+            self._step_batch(batch, prep, steps[batch.group_index], directions)
         self._apply(directions)
         for gi, t in steps.items():
             for p in self.param_groups[gi]["params"]:
                 self.state[p]["step"].fill_(t)
         return loss
 
-    def _step_batch(self, batch: _Batch, t: int, directions: dict[int, Tensor]) -> None:
+    def _prepare(self, batch: _Batch) -> _Prepared | None:
+        """The stacked gradients (L2 decay added) and state of the blocks with a gradient."""
         group = self.param_groups[batch.group_index]
         active = [i for i, b in enumerate(batch.blocks) if b.param.grad is not None]
         if not active:
-            return
-        B = len(batch.blocks)
-        if len(active) == B:
+            return None
+        index = None
+        if len(active) == len(batch.blocks):
             S = batch.state
         else:
             index = torch.tensor(active, device=batch.blocks[0].param.device)
@@ -440,10 +466,71 @@ class Shampoo(torch.optim.Optimizer):
         blocks = [batch.blocks[i] for i in active]
         G = torch.stack([b.view(cast(Tensor, b.param.grad)) for b in blocks])
         wd = float(group["weight_decay"])
-        decoupled = group["use_decoupled_weight_decay"]
         W = torch.stack([b.view(b.param) for b in blocks]) if wd != 0.0 else None
-        if W is not None and not decoupled:
+        if W is not None and not group["use_decoupled_weight_decay"]:
             G.add_(W, alpha=wd)
+        return _Prepared(blocks, index, S, G, W)
+
+    def _check_overflow(self, prepared: list[tuple[_Batch, _Prepared]]) -> None:
+        """Refuse, before any state changes, a finite gradient that would overflow the state.
+
+        Every factor is positive semi-definite, so its largest entry is on the diagonal,
+        ``β₂F_ii + α‖G₍ₖ₎ row i‖²``: computed in float64 from the diagonal and the
+        gradient, it tells exactly whether ``F`` would overflow without forming it (and
+        ``GGᵀ`` before the ``α`` scaling must fit as well).  The
+        grafting state is checked entrywise the same way (``g²`` included) and the
+        eigenvalue-corrected second moment by ``β₂ max E + α‖G‖²`` (no rotation makes an
+        entry larger).  A
+        state entry may reach half the dtype's largest value, leaving room for rounding.
+        """
+        bad_names: list[str] = []
+        for batch, prep in prepared:
+            group = self.param_groups[batch.group_index]
+            S, G = prep.state, prep.G
+            beta2 = float(group["betas"][1])
+            alpha = 1.0 if beta2 == 1.0 else 1.0 - beta2
+            sq = G.to(torch.float64).square()
+            B = sq.shape[0]
+            fmax = torch.finfo(S["factor0"].dtype).max / 2
+            peaks = []
+            for k, d in enumerate(batch.shape):
+                rows = sq.movedim(k + 1, 1).reshape(B, d, -1).sum(-1)
+                diag = S[f"factor{k}"].diagonal(dim1=-2, dim2=-1).to(torch.float64)
+                # baddbmm forms GGᵀ before scaling it by α: that product must fit too.
+                peaks.append(torch.maximum(beta2 * diag + alpha * rows, rows).amax(-1) / fmax)
+            if "corrected_eigenvalues" in S:
+                E = S["corrected_eigenvalues"].reshape(B, -1).amax(-1).to(torch.float64)
+                norm2 = sq.reshape(B, -1).sum(-1)
+                peaks.append(torch.maximum(beta2 * E + alpha * norm2, norm2) / fmax)
+            v = S.get("grafting_state")
+            if v is not None:
+                new_v = update_grafting_out_of_place(
+                    group["grafting_config"], v.to(torch.float64), sq
+                )
+                vmax = torch.finfo(v.dtype).max / 2
+                peaks.append(torch.maximum(new_v, sq).reshape(B, -1).amax(-1) / vmax)
+            # NaN (from inf − inf) compares False: "not <= 1" catches it too.
+            over = ~(torch.stack(peaks).amax(0) <= 1.0)
+            if bool(over.any()):
+                bad_names.extend(
+                    sorted({prep.blocks[i].name for i in over.nonzero().flatten().tolist()})
+                )
+        if bad_names:
+            raise FloatingPointError(
+                f"the gradient of {', '.join(bad_names)} is finite but would overflow "
+                "Shampoo's factors or grafting state (an entry above half the largest finite "
+                "value of their dtype); no state was changed. Skip this batch, lower the "
+                "learning rate, clip or rescale the gradients, or use "
+                "factor_dtype=torch.float64."
+            )
+
+    def _step_batch(
+        self, batch: _Batch, prep: _Prepared, t: int, directions: dict[int, Tensor]
+    ) -> None:
+        group = self.param_groups[batch.group_index]
+        blocks, index, S, G, W = prep.blocks, prep.index, prep.state, prep.G, prep.W
+        wd = float(group["weight_decay"])
+        decoupled = group["use_decoupled_weight_decay"]
         beta1 = float(group["betas"][0])
         grafting = group["grafting_config"]
         pre = self._preconditioner(group, batch.shape, batch.factored)
@@ -485,7 +572,7 @@ class Shampoo(torch.optim.Optimizer):
                 P.mul_(1.0 - damp).add_(buf, alpha=mom)
             else:
                 P = buf.clone()
-        if S is not batch.state:
+        if index is not None:
             for k, v in S.items():
                 batch.state[k].index_copy_(0, index, v)
         for i, b in enumerate(blocks):

@@ -640,6 +640,61 @@ def test_non_finite_gradient_raises_before_any_change() -> None:
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # float32 factors: GGᵀ of a 1e20 gradient is 3e40 > 3.4e38.
+        dict(betas=(0.9, 0.999), grafting_config=AdamGraftingConfig()),
+        # float64 factors hold it; the float32 AdaGrad state g² does not.
+        dict(factor_dtype=torch.float64, grafting_config=AdaGradGraftingConfig()),
+        dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.99)),
+    ],
+)
+def test_overflowing_finite_gradient_is_refused_before_any_change(kwargs: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    w = [torch.randn(3, 3), torch.randn(3)]
+    pa = [x.clone().requires_grad_() for x in w]
+    pb = [x.clone().requires_grad_() for x in w]
+    oa, ob = Shampoo(pa, **kwargs), Shampoo(pb, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+
+    def grads() -> list[torch.Tensor]:
+        return [torch.randn(3, 3, generator=gen), torch.randn(3, generator=gen)]
+
+    _step_both([(pa, oa), (pb, ob)], grads())
+    before = oa.state_dict()
+    values = [p.detach().clone() for p in pa]
+    pa[0].grad = torch.full((3, 3), 1e20)
+    pa[1].grad = torch.ones(3)
+    with pytest.raises(
+        FloatingPointError,
+        match=r"the gradient of parameter param_groups\[0\]\['params'\]\[0\] \(shape \(3, 3\)\) "
+        r"is finite but would overflow Shampoo's factors or grafting state .*; no state was "
+        "changed",
+    ):
+        oa.step()
+    _assert_same_state_dict(oa.state_dict(), before)
+    for p, v in zip(pa, values, strict=True):
+        assert torch.equal(p, v)
+    for _ in range(3):  # the next steps equal an optimizer that never saw the bad gradient
+        _step_both([(pa, oa), (pb, ob)], grads())
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+
+
+def test_large_gradient_that_fits_is_taken() -> None:
+    # |g| = 1e18 in float32 (one 9-vector block: F = ggᵀ): entries 1e36 fit, and so does
+    # AdaGrad's g², so the step is taken, not refused.
+    p = torch.zeros(3, 3, requires_grad=True)
+    opt = Shampoo([p], grafting_config=AdaGradGraftingConfig())
+    p.grad = torch.full((3, 3), 1e18)
+    opt.step()
+    assert torch.isfinite(opt.state[p]["block0.factor0"]).all()
+    assert opt.state[p]["block0.factor0"][0, 0] == pytest.approx(1e36, rel=1e-6)
+    assert p.ne(0).all()
+
+
 def test_failed_root_keeps_previous_with_warning_naming_parameter(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

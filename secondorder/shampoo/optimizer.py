@@ -370,7 +370,13 @@ class Shampoo(torch.optim.Optimizer):
                     pstate[entry] = buf[i]
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                # An int64 count: a float32 one stops at 2²⁴ (2²⁴ + 1 rounds back), and the
+                # roots would then never refresh again.  Older state dicts saved a float
+                # counter, exact below 2²⁴: converted here.
+                step = self.state[p].get("step")
+                if step is None or step.dtype != torch.int64:
+                    count = 0 if step is None else int(step.item())
+                    self.state[p]["step"] = torch.tensor(count, dtype=torch.int64)
         self._blocks = blocks
         self._batches = list(by_key.values())
         self._structures = [_structure(g) for g in self.param_groups]

@@ -480,6 +480,51 @@ def test_state_dict_resume_is_bitwise_with_weights_only(kwargs: dict[str, Any]) 
         assert ob.state[next(b.parameters())]["block0.factor0"].dtype == torch.float64
 
 
+def test_step_count_is_exact_past_two_to_the_24() -> None:
+    # A float32 count stalls at 2²⁴ (2²⁴ + 1 rounds back to it): with an even frequency
+    # the roots would never refresh again.  The root must be the float64 eigh root of
+    # the factor at each refreshing step (a 2-vector: one formed 2x2 root).
+    torch.manual_seed(0)
+    p = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    opt = Shampoo([p], lr=0.0, betas=(0.0, 1.0), epsilon=1e-3, precondition_frequency=2)
+    p.grad = torch.randn(2, dtype=torch.float64)
+    opt.step()
+    opt.state[p]["step"].fill_(2**24 - 1)
+    for t in range(2**24, 2**24 + 4):
+        p.grad = torch.randn(2, dtype=torch.float64)
+        opt.step()
+        assert int(opt.state[p]["step"]) == t
+        if t % 2 == 0:
+            F = opt.state[p]["block0.factor0"]
+            L, Q = torch.linalg.eigh(F + 1e-3 * torch.eye(2, dtype=torch.float64))
+            want = Q @ torch.diag(L**-0.5) @ Q.T
+            torch.testing.assert_close(opt.state[p]["block0.root0"], want, rtol=1e-10, atol=0)
+
+
+def test_old_float_step_count_loads() -> None:
+    pa, oa, pb, ob = _twins((4, 3), grafting_config=AdamGraftingConfig())
+    gen = torch.Generator().manual_seed(3)
+
+    def grads() -> list[torch.Tensor]:
+        return [
+            torch.randn(4, 3, generator=gen, dtype=torch.float64),
+            torch.randn(4, generator=gen, dtype=torch.float64),
+        ]
+
+    for _ in range(3):
+        _step_both([(pa, oa), (pb, ob)], grads())
+    sd = oa.state_dict()
+    for pstate in sd["state"].values():  # as saved before the count became int64
+        pstate["step"] = pstate["step"].to(torch.float32)
+    oa.load_state_dict(sd)
+    assert oa.state[pa[0]]["step"].dtype == torch.int64
+    for _ in range(2):
+        _step_both([(pa, oa), (pb, ob)], grads())
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+
+
 def test_load_refuses_another_rank_layout() -> None:
     m = _model(torch.float32)
     opt = Shampoo(m.parameters())

@@ -25,6 +25,7 @@ from .config import (
     RootInvConfig,
     config_from_dict,
     config_to_dict,
+    resolved_start,
     validate_group,
 )
 from .distributor import assign_blocks, block_cost, gather_directions
@@ -134,7 +135,8 @@ class Shampoo(torch.optim.Optimizer):
         max_preconditioner_dim: largest factor dimension (blocks are cut to it).
         precondition_frequency: steps between root (or eigenbasis) computations.
         start_preconditioning_step: first preconditioned step; ``None`` (or ``-1``)
-            means ``precondition_frequency``.
+            means ``precondition_frequency``, read at every step (the group keeps
+            ``None``), so a later change of ``precondition_frequency`` moves it along.
         use_bias_correction: divide by ``1−β₁ᵗ`` and ``1−β₂ᵗ``.
         grafting_config: ``None`` or an SGD/AdaGrad/RMSprop/Adam grafting config.
         preconditioner: ``"root_inverse"`` (Shampoo) or ``"eigenvalue_corrected"`` (SOAP).
@@ -238,8 +240,6 @@ class Shampoo(torch.optim.Optimizer):
 
     @staticmethod
     def _normalize(group: dict[str, Any]) -> None:
-        if group["start_preconditioning_step"] in (None, -1):
-            group["start_preconditioning_step"] = group["precondition_frequency"]
         if isinstance(group["betas"], list):
             group["betas"] = tuple(group["betas"])
         group["grafting_config"] = config_from_dict(group["grafting_config"])
@@ -544,7 +544,7 @@ class Shampoo(torch.optim.Optimizer):
         Gf = G.to(fdtype)
         pre.update_factors(S, Gf)
         update_grafting(grafting, S.get("grafting_state"), G)
-        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
+        start, freq = resolved_start(group), group["precondition_frequency"]
         if (t % freq == 0 and t > start) or t == start:
             self._amortize(pre, S, t, blocks, group)
         pre.after_amortize(S, Gf, t)

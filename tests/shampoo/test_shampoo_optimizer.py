@@ -913,6 +913,33 @@ def test_bad_config_fields_are_named() -> None:
         config_from_dict({"type": "Nope"})
 
 
+def test_unset_start_follows_a_later_precondition_frequency() -> None:
+    kw: dict[str, Any] = dict(max_preconditioner_dim=4, grafting_config=AdamGraftingConfig())
+    pa, oa, _, _ = _twins((6, 5), precondition_frequency=1, **kw)
+    _, _, pb, ob = _twins((6, 5), precondition_frequency=3, **kw)
+    assert oa.param_groups[0]["start_preconditioning_step"] is None
+    oa.param_groups[0]["precondition_frequency"] = 3  # the start (unset) moves to 3 too
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(7):
+        g = [
+            torch.randn(6, 5, generator=gen, dtype=torch.float64),
+            torch.randn(6, generator=gen, dtype=torch.float64),
+        ]
+        _step_both([(pa, oa), (pb, ob)], g)
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+    assert oa.state_dict()["param_groups"][0]["start_preconditioning_step"] is None
+    # An explicit start is still checked against the new frequency, naming both.
+    oa.param_groups[0]["start_preconditioning_step"] = 4
+    oa.param_groups[0]["precondition_frequency"] = 5
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid start_preconditioning_step=4: must be >= precondition_frequency=5",
+    ):
+        oa.step()
+
+
 def test_structural_change_after_first_step_and_integer_params_are_refused() -> None:
     m = _model(torch.float32)
     opt = Shampoo(m.parameters())

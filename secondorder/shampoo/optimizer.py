@@ -115,6 +115,16 @@ class Shampoo(torch.optim.Optimizer):
     grafting state (checked exactly in float64, see ``_check_overflow``), raise
     ``FloatingPointError`` before any state or parameter changes.
 
+    Step count, as in DistributedShampoo: ``t`` (bias corrections, root schedule) is
+    one count per parameter group, advanced by every ``step()`` in which any of the
+    group's parameters has a gradient.  A parameter whose gradient is ``None`` is
+    skipped (value and state unchanged), and when it next steps it uses the group's
+    ``t``, whereas ``torch.optim.Adam`` counts each parameter's own steps: equality
+    with ``torch.optim`` (before preconditioning) holds when every parameter of a group
+    gets a gradient at every step, so give parameters that skip steps their own group.
+    The count stays per group because the blocks of a batch share one ``t``: one bias
+    correction and one root schedule per batched call.
+
     Choose it over Adam/AdamW when the extra per-step cost (an eigendecomposition per
     factor every ``precondition_frequency`` steps) buys fewer steps; start from the
     tuned AdamW settings with ``grafting_config=AdamGraftingConfig(...)``,

@@ -144,6 +144,47 @@ def test_never_preconditioning_equals_torch_optim(
         assert worst <= 4.0, worst
 
 
+def test_step_count_is_per_group_as_documented() -> None:
+    # b has no gradient at step 1.  Shared group: its first update uses the group's t = 2,
+    # i.e. torch.optim.Adam whose count for b already reads 1.  Own group: plain Adam.
+    torch.manual_seed(0)
+    a0, b0 = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    kw: dict[str, Any] = dict(
+        lr=0.1,
+        betas=(0.9, 0.999),
+        epsilon=1e-8,
+        precondition_frequency=NEVER,
+        grafting_config=AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+    )
+    adam: dict[str, Any] = dict(lr=0.1, betas=(0.9, 0.999), eps=1e-8)
+    shared = [a0.clone().requires_grad_(), b0.clone().requires_grad_()]
+    own = [a0.clone().requires_grad_(), b0.clone().requires_grad_()]
+    late = [a0.clone().requires_grad_(), b0.clone().requires_grad_()]
+    plain = [a0.clone().requires_grad_(), b0.clone().requires_grad_()]
+    s_shared = Shampoo(shared, **kw)
+    s_own = Shampoo([{"params": [own[0]]}, {"params": [own[1]]}], **kw)
+    t_late = torch.optim.Adam(late, **adam)
+    t_late.state[late[1]] = {
+        "step": torch.tensor(1.0),
+        "exp_avg": torch.zeros(3, dtype=torch.float64),
+        "exp_avg_sq": torch.zeros(3, dtype=torch.float64),
+    }
+    t_plain = torch.optim.Adam(plain, **adam)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(4):
+        ga = torch.randn(3, 2, generator=gen, dtype=torch.float64)
+        gb = torch.randn(3, generator=gen, dtype=torch.float64)
+        for params, opt in ((shared, s_shared), (own, s_own), (late, t_late), (plain, t_plain)):
+            params[0].grad = ga.clone()
+            params[1].grad = None if t == 0 else gb.clone()
+            opt.step()
+    for got, want in ((shared, late), (own, plain)):
+        for p, q in zip(got, want, strict=True):
+            # A few ulps per step, as in test_never_preconditioning_equals_torch_optim.
+            torch.testing.assert_close(p, q, rtol=1e-15, atol=0)
+    assert not torch.allclose(shared[1], plain[1], rtol=1e-3, atol=0)  # the documented gap
+
+
 def test_eigenvalue_corrected_with_identity_basis_is_adam() -> None:
     # The basis starts as the identity; never refreshing it leaves Adam in disguise.
     dtype = torch.float64

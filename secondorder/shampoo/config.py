@@ -236,8 +236,8 @@ def validate_group(group: dict[str, Any]) -> None:
     if group["use_nesterov"] and (group["momentum"] == 0.0 or group["dampening"] != 0.0):
         raise ValueError(
             f"use_nesterov=True needs momentum > 0 and dampening = 0 (got "
-            f"momentum={group['momentum']!r}, dampening={group['dampening']!r}), as in "
-            "torch.optim.SGD."
+            f"momentum={group['momentum']!r}, dampening={group['dampening']!r}): set "
+            "momentum > 0 and dampening=0.0 (torch.optim.SGD requires the same)."
         )
     check_range("weight_decay", group["weight_decay"], 0.0)
     for flag in ("use_decoupled_weight_decay", "use_bias_correction"):

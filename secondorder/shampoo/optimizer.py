@@ -139,7 +139,12 @@ class Shampoo(torch.optim.Optimizer):
         epsilon: added to the factors' diagonal before the root (must be 0 with
             ``EigenConfig(pseudo_inverse=True)``); for the eigenvalue-corrected
             variant, added to ``sqrt(E)`` as in Adam.
-        momentum, dampening, use_nesterov: SGD momentum on the final direction.
+        momentum, dampening, use_nesterov: momentum ``μ`` on the final direction,
+            ``b ← μb + (1−d)P``, then ``P ← b`` (Nesterov: ``P ← (1−d)P + μb``), with
+            ``b`` starting at zero as in DistributedShampoo.  With ``dampening=0`` (the
+            default) this is ``torch.optim.SGD``'s rule; with ``d > 0`` it is not:
+            SGD starts ``b`` at the first direction, ``b₁ = P₁``, here ``b₁ = (1−d)P₁``,
+            so every later ``b_t`` is SGD's minus ``d·μ^(t−1)·P₁``.
         weight_decay: decoupled (added to the direction, AdamW-style) if
             ``use_decoupled_weight_decay`` else L2 (added to the gradient).
         max_preconditioner_dim: largest factor dimension (blocks are cut to it).

@@ -83,8 +83,8 @@ GRAFTING_CASES = [
             grafting_config=SGDGraftingConfig(),
         ),
     ),
-    # (No dampening case: torch.optim.SGD starts its buffer at the raw gradient, while
-    # Shampoo, like DistributedShampoo, starts it at zero, so step 1 differs by (1 − dampening).)
+    # (No dampening case: torch.optim.SGD starts its buffer at the first direction,
+    # Shampoo, like DistributedShampoo, at zero: see test_dampening_as_documented.)
     (
         "sgd-momentum-decoupled",
         lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
@@ -183,6 +183,40 @@ def test_step_count_is_per_group_as_documented() -> None:
             # A few ulps per step, as in test_never_preconditioning_equals_torch_optim.
             torch.testing.assert_close(p, q, rtol=1e-15, atol=0)
     assert not torch.allclose(shared[1], plain[1], rtol=1e-3, atol=0)  # the documented gap
+
+
+def test_dampening_as_documented() -> None:
+    # The momentum buffer starts at zero (DistributedShampoo), so Shampoo equals
+    # torch.optim.SGD given a zero buffer, and plain SGD's b_t minus d·μ^(t−1)·P₁.
+    torch.manual_seed(0)
+    w = torch.randn(3, 2, dtype=torch.float64)
+    mu, d, lr = 0.9, 0.5, 0.1
+    sh = [w.clone().requires_grad_()]
+    zero, plain = [w.clone().requires_grad_()], [w.clone().requires_grad_()]
+    s = Shampoo(
+        sh,
+        lr=lr,
+        betas=(0.0, 1.0),
+        momentum=mu,
+        dampening=d,
+        precondition_frequency=NEVER,
+        grafting_config=SGDGraftingConfig(),
+    )
+    t_zero = torch.optim.SGD(zero, lr=lr, momentum=mu, dampening=d)
+    t_zero.state[zero[0]]["momentum_buffer"] = torch.zeros_like(w)
+    t_plain = torch.optim.SGD(plain, lr=lr, momentum=mu, dampening=d)
+    gen = torch.Generator().manual_seed(1)
+    g1 = torch.randn(3, 2, generator=gen, dtype=torch.float64)
+    for t in range(1, 4):
+        g = g1 if t == 1 else torch.randn(3, 2, generator=gen, dtype=torch.float64)
+        _step_both([(sh, s), (zero, t_zero), (plain, t_plain)], [g])
+        assert torch.equal(sh[0], zero[0])
+        torch.testing.assert_close(
+            s.state[sh[0]]["block0.momentum_buffer"].view(3, 2),
+            t_plain.state[plain[0]]["momentum_buffer"] - d * mu ** (t - 1) * g1,
+            rtol=1e-14,
+            atol=1e-15,
+        )
 
 
 def test_eigenvalue_corrected_with_identity_basis_is_adam() -> None:
@@ -852,7 +886,9 @@ BAD = [
     (
         dict(use_nesterov=True),
         ValueError,
-        r"use_nesterov=True needs momentum > 0 and dampening = 0",
+        r"use_nesterov=True needs momentum > 0 and dampening = 0 \(got momentum=0.0, "
+        r"dampening=0.0\): set momentum > 0 and dampening=0.0 \(torch.optim.SGD requires "
+        r"the same\)",
     ),
     (dict(use_nesterov=1), TypeError, r"Invalid use_nesterov=1: must be True or False"),
     (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay=-0.1"),

@@ -29,6 +29,7 @@ __all__ = [
     "SGDGraftingConfig",
     "config_from_dict",
     "config_to_dict",
+    "resolved_start",
 ]
 
 #: The preconditioner choices of :class:`~secondorder.shampoo.Shampoo`.
@@ -210,6 +211,16 @@ FACTOR_DTYPES = (None, torch.float32, torch.float64)
 COMMUNICATION_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+def resolved_start(group: dict[str, Any]) -> int:
+    """The group's first preconditioned step: ``None`` or ``-1`` mean its frequency.
+
+    Resolved each time it is read, not stored, so that changing a group's
+    ``precondition_frequency`` later moves an unset start along with it.
+    """
+    start = group["start_preconditioning_step"]
+    return group["precondition_frequency"] if start is None or start == -1 else start
+
+
 def validate_group(group: dict[str, Any]) -> None:
     """Check one parameter group's hyperparameters; raise naming the first bad one."""
     check_range("lr", group["lr"], 0.0)
@@ -225,8 +236,8 @@ def validate_group(group: dict[str, Any]) -> None:
     if group["use_nesterov"] and (group["momentum"] == 0.0 or group["dampening"] != 0.0):
         raise ValueError(
             f"use_nesterov=True needs momentum > 0 and dampening = 0 (got "
-            f"momentum={group['momentum']!r}, dampening={group['dampening']!r}), as in "
-            "torch.optim.SGD."
+            f"momentum={group['momentum']!r}, dampening={group['dampening']!r}): set "
+            "momentum > 0 and dampening=0.0 (torch.optim.SGD requires the same)."
         )
     check_range("weight_decay", group["weight_decay"], 0.0)
     for flag in ("use_decoupled_weight_decay", "use_bias_correction"):
@@ -239,8 +250,9 @@ def validate_group(group: dict[str, Any]) -> None:
         )
     check_int("precondition_frequency", group["precondition_frequency"], 1)
     start = group["start_preconditioning_step"]
-    check_int("start_preconditioning_step", start, 1)
-    if start < group["precondition_frequency"]:
+    if start is not None and start != -1:  # None and -1 follow precondition_frequency
+        check_int("start_preconditioning_step", start, 1)
+    if resolved_start(group) < group["precondition_frequency"]:
         raise ValueError(
             f"Invalid start_preconditioning_step={start!r}: must be >= "
             f"precondition_frequency={group['precondition_frequency']!r} (pass None to start "

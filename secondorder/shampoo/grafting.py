@@ -23,7 +23,12 @@ from .config import (
     RMSpropGraftingConfig,
 )
 
-__all__ = ["grafting_direction", "grafting_has_state", "update_grafting"]
+__all__ = [
+    "grafting_direction",
+    "grafting_has_state",
+    "update_grafting",
+    "update_grafting_out_of_place",
+]
 
 
 def grafting_has_state(config: GraftingConfig | None) -> bool:
@@ -39,6 +44,15 @@ def update_grafting(config: GraftingConfig | None, v: Tensor | None, g: Tensor) 
         v.addcmul_(g, g, value=1.0)
     elif isinstance(config, (RMSpropGraftingConfig, AdamGraftingConfig)):
         v.mul_(config.beta2).addcmul_(g, g, value=1.0 - config.beta2)
+
+
+def update_grafting_out_of_place(config: GraftingConfig | None, v: Tensor, g2: Tensor) -> Tensor:
+    """What :func:`update_grafting` would make of ``v``, given ``g2 = g²``; ``v`` is kept."""
+    if isinstance(config, AdaGradGraftingConfig):
+        return v + g2
+    if isinstance(config, (RMSpropGraftingConfig, AdamGraftingConfig)):
+        return v * config.beta2 + g2 * (1.0 - config.beta2)
+    return v
 
 
 def grafting_direction(

@@ -25,10 +25,16 @@ from .config import (
     RootInvConfig,
     config_from_dict,
     config_to_dict,
+    resolved_start,
     validate_group,
 )
 from .distributor import assign_blocks, block_cost, gather_directions
-from .grafting import grafting_direction, grafting_has_state, update_grafting
+from .grafting import (
+    grafting_direction,
+    grafting_has_state,
+    update_grafting,
+    update_grafting_out_of_place,
+)
 from .preconditioner import (
     EigenvalueCorrectedPreconditioner,
     Preconditioner,
@@ -67,6 +73,17 @@ class _Batch:
     factored: tuple[bool, ...] = ()
 
 
+@dataclass
+class _Prepared:
+    """One batch's blocks with a gradient: their state (a copy if not all), G and W."""
+
+    blocks: list[_Block]
+    index: Tensor | None
+    state: dict[str, Tensor]
+    G: Tensor
+    W: Tensor | None
+
+
 def _structure(group: dict[str, Any]) -> tuple[Any, ...]:
     """What fixes the layout of the state: changing it after the first step is an error."""
     return (
@@ -94,6 +111,20 @@ class Shampoo(torch.optim.Optimizer):
     (state key ``block{i}.root_factor{k}`` instead of ``block{i}.root{k}``), which
     skips the ``2d³`` product that would form it; the step is the same to rounding.
 
+    Non-finite gradients, and finite ones that would overflow the factors or the
+    grafting state (checked exactly in float64, see ``_check_overflow``), raise
+    ``FloatingPointError`` before any state or parameter changes.
+
+    Step count, as in DistributedShampoo: ``t`` (bias corrections, root schedule) is
+    one count per parameter group, advanced by every ``step()`` in which any of the
+    group's parameters has a gradient.  A parameter whose gradient is ``None`` is
+    skipped (value and state unchanged), and when it next steps it uses the group's
+    ``t``, whereas ``torch.optim.Adam`` counts each parameter's own steps: equality
+    with ``torch.optim`` (before preconditioning) holds when every parameter of a group
+    gets a gradient at every step, so give parameters that skip steps their own group.
+    The count stays per group because the blocks of a batch share one ``t``: one bias
+    correction and one root schedule per batched call.
+
     Choose it over Adam/AdamW when the extra per-step cost (an eigendecomposition per
     factor every ``precondition_frequency`` steps) buys fewer steps; start from the
     tuned AdamW settings with ``grafting_config=AdamGraftingConfig(...)``,
@@ -108,13 +139,19 @@ class Shampoo(torch.optim.Optimizer):
         epsilon: added to the factors' diagonal before the root (must be 0 with
             ``EigenConfig(pseudo_inverse=True)``); for the eigenvalue-corrected
             variant, added to ``sqrt(E)`` as in Adam.
-        momentum, dampening, use_nesterov: SGD momentum on the final direction.
+        momentum, dampening, use_nesterov: momentum ``μ`` on the final direction,
+            ``b ← μb + (1−d)P``, then ``P ← b`` (Nesterov: ``P ← (1−d)P + μb``), with
+            ``b`` starting at zero as in DistributedShampoo.  With ``dampening=0`` (the
+            default) this is ``torch.optim.SGD``'s rule; with ``d > 0`` it is not:
+            SGD starts ``b`` at the first direction, ``b₁ = P₁``, here ``b₁ = (1−d)P₁``,
+            so every later ``b_t`` is SGD's minus ``d·μ^(t−1)·P₁``.
         weight_decay: decoupled (added to the direction, AdamW-style) if
             ``use_decoupled_weight_decay`` else L2 (added to the gradient).
         max_preconditioner_dim: largest factor dimension (blocks are cut to it).
         precondition_frequency: steps between root (or eigenbasis) computations.
         start_preconditioning_step: first preconditioned step; ``None`` (or ``-1``)
-            means ``precondition_frequency``.
+            means ``precondition_frequency``, read at every step (the group keeps
+            ``None``), so a later change of ``precondition_frequency`` moves it along.
         use_bias_correction: divide by ``1−β₁ᵗ`` and ``1−β₂ᵗ``.
         grafting_config: ``None`` or an SGD/AdaGrad/RMSprop/Adam grafting config.
         preconditioner: ``"root_inverse"`` (Shampoo) or ``"eigenvalue_corrected"`` (SOAP).
@@ -194,22 +231,30 @@ class Shampoo(torch.optim.Optimizer):
 
     # -- configuration -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:  # noqa: D102
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self._normalize(group)
-        validate_group(group)
-        for p in group["params"]:
-            if not p.is_floating_point():
+        # Checked on a copy with the defaults filled in, before torch appends the group:
+        # a refused group leaves param_groups (and every later step) as they were.
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch names the set error itself
+            params = list(params)  # a generator is read once, here
+            param_group["params"] = params
+        probe = {**self.defaults, **param_group}
+        self._normalize(probe)
+        validate_group(probe)
+        for q in params:
+            q = q[1] if isinstance(q, tuple) else q  # (name, parameter) pairs
+            if isinstance(q, Tensor) and not q.is_floating_point():
                 raise TypeError(
-                    f"Shampoo optimizes floating-point parameters; got one of dtype {p.dtype} "
-                    f"and shape {tuple(p.shape)}"
+                    f"Shampoo optimizes floating-point parameters; got one of dtype {q.dtype} "
+                    f"and shape {tuple(q.shape)}"
                 )
+        super().add_param_group(param_group)
+        self._normalize(self.param_groups[-1])
         self._built = False
 
     @staticmethod
     def _normalize(group: dict[str, Any]) -> None:
-        if group["start_preconditioning_step"] in (None, -1):
-            group["start_preconditioning_step"] = group["precondition_frequency"]
         if isinstance(group["betas"], list):
             group["betas"] = tuple(group["betas"])
         group["grafting_config"] = config_from_dict(group["grafting_config"])
@@ -340,7 +385,13 @@ class Shampoo(torch.optim.Optimizer):
                     pstate[entry] = buf[i]
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                # An int64 count: a float32 one stops at 2²⁴ (2²⁴ + 1 rounds back), and the
+                # roots would then never refresh again.  Older state dicts saved a float
+                # counter, exact below 2²⁴: converted here.
+                step = self.state[p].get("step")
+                if step is None or step.dtype != torch.int64:
+                    count = 0 if step is None else int(step.item())
+                    self.state[p]["step"] = torch.tensor(count, dtype=torch.int64)
         self._blocks = blocks
         self._batches = list(by_key.values())
         self._structures = [_structure(g) for g in self.param_groups]
@@ -406,23 +457,29 @@ class Shampoo(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             if any(p.grad is not None for p in group["params"]):
                 steps[gi] = int(self.state[group["params"][0]]["step"].item()) + 1
+        prepared = [
+            (batch, prep)
+            for batch in self._batches
+            if batch.group_index in steps and (prep := self._prepare(batch)) is not None
+        ]
+        self._check_overflow(prepared)
         directions: dict[int, Tensor] = {}
-        for batch in self._batches:
-            if batch.group_index in steps:
-                self._step_batch(batch, steps[batch.group_index], directions)
+        for batch, prep in prepared:
+            self._step_batch(batch, prep, steps[batch.group_index], directions)
         self._apply(directions)
         for gi, t in steps.items():
             for p in self.param_groups[gi]["params"]:
                 self.state[p]["step"].fill_(t)
         return loss
 
-    def _step_batch(self, batch: _Batch, t: int, directions: dict[int, Tensor]) -> None:
+    def _prepare(self, batch: _Batch) -> _Prepared | None:
+        """The stacked gradients (L2 decay added) and state of the blocks with a gradient."""
         group = self.param_groups[batch.group_index]
         active = [i for i, b in enumerate(batch.blocks) if b.param.grad is not None]
         if not active:
-            return
-        B = len(batch.blocks)
-        if len(active) == B:
+            return None
+        index = None
+        if len(active) == len(batch.blocks):
             S = batch.state
         else:
             index = torch.tensor(active, device=batch.blocks[0].param.device)
@@ -430,10 +487,71 @@ class Shampoo(torch.optim.Optimizer):
         blocks = [batch.blocks[i] for i in active]
         G = torch.stack([b.view(cast(Tensor, b.param.grad)) for b in blocks])
         wd = float(group["weight_decay"])
-        decoupled = group["use_decoupled_weight_decay"]
         W = torch.stack([b.view(b.param) for b in blocks]) if wd != 0.0 else None
-        if W is not None and not decoupled:
+        if W is not None and not group["use_decoupled_weight_decay"]:
             G.add_(W, alpha=wd)
+        return _Prepared(blocks, index, S, G, W)
+
+    def _check_overflow(self, prepared: list[tuple[_Batch, _Prepared]]) -> None:
+        """Refuse, before any state changes, a finite gradient that would overflow the state.
+
+        Every factor is positive semi-definite, so its largest entry is on the diagonal,
+        ``β₂F_ii + α‖G₍ₖ₎ row i‖²``: computed in float64 from the diagonal and the
+        gradient, it tells exactly whether ``F`` would overflow without forming it (and
+        ``GGᵀ`` before the ``α`` scaling must fit as well).  The
+        grafting state is checked entrywise the same way (``g²`` included) and the
+        eigenvalue-corrected second moment by ``β₂ max E + α‖G‖²`` (no rotation makes an
+        entry larger).  A
+        state entry may reach half the dtype's largest value, leaving room for rounding.
+        """
+        bad_names: list[str] = []
+        for batch, prep in prepared:
+            group = self.param_groups[batch.group_index]
+            S, G = prep.state, prep.G
+            beta2 = float(group["betas"][1])
+            alpha = 1.0 if beta2 == 1.0 else 1.0 - beta2
+            sq = G.to(torch.float64).square()
+            B = sq.shape[0]
+            fmax = torch.finfo(S["factor0"].dtype).max / 2
+            peaks = []
+            for k, d in enumerate(batch.shape):
+                rows = sq.movedim(k + 1, 1).reshape(B, d, -1).sum(-1)
+                diag = S[f"factor{k}"].diagonal(dim1=-2, dim2=-1).to(torch.float64)
+                # baddbmm forms GGᵀ before scaling it by α: that product must fit too.
+                peaks.append(torch.maximum(beta2 * diag + alpha * rows, rows).amax(-1) / fmax)
+            if "corrected_eigenvalues" in S:
+                E = S["corrected_eigenvalues"].reshape(B, -1).amax(-1).to(torch.float64)
+                norm2 = sq.reshape(B, -1).sum(-1)
+                peaks.append(torch.maximum(beta2 * E + alpha * norm2, norm2) / fmax)
+            v = S.get("grafting_state")
+            if v is not None:
+                new_v = update_grafting_out_of_place(
+                    group["grafting_config"], v.to(torch.float64), sq
+                )
+                vmax = torch.finfo(v.dtype).max / 2
+                peaks.append(torch.maximum(new_v, sq).reshape(B, -1).amax(-1) / vmax)
+            # NaN (from inf − inf) compares False: "not <= 1" catches it too.
+            over = ~(torch.stack(peaks).amax(0) <= 1.0)
+            if bool(over.any()):
+                bad_names.extend(
+                    sorted({prep.blocks[i].name for i in over.nonzero().flatten().tolist()})
+                )
+        if bad_names:
+            raise FloatingPointError(
+                f"the gradient of {', '.join(bad_names)} is finite but would overflow "
+                "Shampoo's factors or grafting state (an entry above half the largest finite "
+                "value of their dtype); no state was changed. Skip this batch, lower the "
+                "learning rate, clip or rescale the gradients, or use "
+                "factor_dtype=torch.float64."
+            )
+
+    def _step_batch(
+        self, batch: _Batch, prep: _Prepared, t: int, directions: dict[int, Tensor]
+    ) -> None:
+        group = self.param_groups[batch.group_index]
+        blocks, index, S, G, W = prep.blocks, prep.index, prep.state, prep.G, prep.W
+        wd = float(group["weight_decay"])
+        decoupled = group["use_decoupled_weight_decay"]
         beta1 = float(group["betas"][0])
         grafting = group["grafting_config"]
         pre = self._preconditioner(group, batch.shape, batch.factored)
@@ -441,7 +559,7 @@ class Shampoo(torch.optim.Optimizer):
         Gf = G.to(fdtype)
         pre.update_factors(S, Gf)
         update_grafting(grafting, S.get("grafting_state"), G)
-        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
+        start, freq = resolved_start(group), group["precondition_frequency"]
         if (t % freq == 0 and t > start) or t == start:
             self._amortize(pre, S, t, blocks, group)
         pre.after_amortize(S, Gf, t)
@@ -475,7 +593,7 @@ class Shampoo(torch.optim.Optimizer):
                 P.mul_(1.0 - damp).add_(buf, alpha=mom)
             else:
                 P = buf.clone()
-        if S is not batch.state:
+        if index is not None:
             for k, v in S.items():
                 batch.state[k].index_copy_(0, index, v)
         for i, b in enumerate(blocks):
@@ -566,25 +684,48 @@ class Shampoo(torch.optim.Optimizer):
                 f"but this optimizer is rank {here['rank']} of {here['world_size']}: load "
                 "each rank's own file into a run with the same world size."
             )
+        # All or nothing: the groups are checked before anything changes; a saved state
+        # that does not fit the blocks is found only by building them, so the previous
+        # groups, state and blocks are put back if that fails.
         saved_groups = state_dict["param_groups"]
         groups = [dict(g) for g in saved_groups]
         for g in groups:
             g["grafting_config"] = config_from_dict(g.get("grafting_config"))
             g["root_inv_config"] = config_from_dict(g.get("root_inv_config"))
-        # Torch's loader would cast floating state to the parameter's dtype (a float64
-        # factor of a float32 parameter would lose bits), so the state is restored here.
-        super().load_state_dict({"state": {}, "param_groups": groups})
-        id_to_param = {
-            pid: p
-            for sg, g in zip(saved_groups, self.param_groups, strict=True)
-            for pid, p in zip(sg["params"], g["params"], strict=True)
-        }
-        self.state = defaultdict(dict)
-        for pid, pstate in state_dict["state"].items():
-            p = id_to_param[pid]
-            self.state[p] = {k: v.detach().clone().to(p.device) for k, v in pstate.items()}
-        for group in self.param_groups:
-            self._normalize(group)
-            validate_group(group)
-        self._built = False
-        self._build()
+            self._normalize(g)
+            validate_group(g)
+        previous = (
+            self.param_groups,
+            self.state,
+            self._built,
+            self._batches,
+            self._blocks,
+            self._structures,
+        )
+        try:
+            # Torch's loader would cast floating state to the parameter's dtype (a float64
+            # factor of a float32 parameter would lose bits), so the state is restored here.
+            super().load_state_dict({"state": {}, "param_groups": groups})
+            id_to_param = {
+                pid: p
+                for sg, g in zip(saved_groups, self.param_groups, strict=True)
+                for pid, p in zip(sg["params"], g["params"], strict=True)
+            }
+            self.state = defaultdict(dict)
+            for pid, pstate in state_dict["state"].items():
+                p = id_to_param[pid]
+                self.state[p] = {k: v.detach().clone().to(p.device) for k, v in pstate.items()}
+            for group in self.param_groups:
+                self._normalize(group)
+            self._built = False
+            self._build()
+        except BaseException:
+            (
+                self.param_groups,
+                self.state,
+                self._built,
+                self._batches,
+                self._blocks,
+                self._structures,
+            ) = previous
+            raise

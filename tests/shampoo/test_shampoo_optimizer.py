@@ -83,8 +83,8 @@ GRAFTING_CASES = [
             grafting_config=SGDGraftingConfig(),
         ),
     ),
-    # (No dampening case: torch.optim.SGD starts its buffer at the raw gradient, while
-    # Shampoo, like DistributedShampoo, starts it at zero, so step 1 differs by (1 − dampening).)
+    # (No dampening case: torch.optim.SGD starts its buffer at the first direction,
+    # Shampoo, like DistributedShampoo, at zero: see test_dampening_as_documented.)
     (
         "sgd-momentum-decoupled",
         lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
@@ -142,6 +142,81 @@ def test_never_preconditioning_equals_torch_optim(
         # torch folds lr and the bias correction into one addcdiv; Shampoo forms the
         # direction first: measured at most 3 ulps per step.
         assert worst <= 4.0, worst
+
+
+def test_step_count_is_per_group_as_documented() -> None:
+    # b has no gradient at step 1.  Shared group: its first update uses the group's t = 2,
+    # i.e. torch.optim.Adam whose count for b already reads 1.  Own group: plain Adam.
+    torch.manual_seed(0)
+    a0, b0 = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    kw: dict[str, Any] = dict(
+        lr=0.1,
+        betas=(0.9, 0.999),
+        epsilon=1e-8,
+        precondition_frequency=NEVER,
+        grafting_config=AdamGraftingConfig(beta2=0.999, epsilon=1e-8),
+    )
+    adam: dict[str, Any] = dict(lr=0.1, betas=(0.9, 0.999), eps=1e-8)
+    shared = [a0.clone().requires_grad_(), b0.clone().requires_grad_()]
+    own = [a0.clone().requires_grad_(), b0.clone().requires_grad_()]
+    late = [a0.clone().requires_grad_(), b0.clone().requires_grad_()]
+    plain = [a0.clone().requires_grad_(), b0.clone().requires_grad_()]
+    s_shared = Shampoo(shared, **kw)
+    s_own = Shampoo([{"params": [own[0]]}, {"params": [own[1]]}], **kw)
+    t_late = torch.optim.Adam(late, **adam)
+    t_late.state[late[1]] = {
+        "step": torch.tensor(1.0),
+        "exp_avg": torch.zeros(3, dtype=torch.float64),
+        "exp_avg_sq": torch.zeros(3, dtype=torch.float64),
+    }
+    t_plain = torch.optim.Adam(plain, **adam)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(4):
+        ga = torch.randn(3, 2, generator=gen, dtype=torch.float64)
+        gb = torch.randn(3, generator=gen, dtype=torch.float64)
+        for params, opt in ((shared, s_shared), (own, s_own), (late, t_late), (plain, t_plain)):
+            params[0].grad = ga.clone()
+            params[1].grad = None if t == 0 else gb.clone()
+            opt.step()
+    for got, want in ((shared, late), (own, plain)):
+        for p, q in zip(got, want, strict=True):
+            # A few ulps per step, as in test_never_preconditioning_equals_torch_optim.
+            torch.testing.assert_close(p, q, rtol=1e-15, atol=0)
+    assert not torch.allclose(shared[1], plain[1], rtol=1e-3, atol=0)  # the documented gap
+
+
+def test_dampening_as_documented() -> None:
+    # The momentum buffer starts at zero (DistributedShampoo), so Shampoo equals
+    # torch.optim.SGD given a zero buffer, and plain SGD's b_t minus d·μ^(t−1)·P₁.
+    torch.manual_seed(0)
+    w = torch.randn(3, 2, dtype=torch.float64)
+    mu, d, lr = 0.9, 0.5, 0.1
+    sh = [w.clone().requires_grad_()]
+    zero, plain = [w.clone().requires_grad_()], [w.clone().requires_grad_()]
+    s = Shampoo(
+        sh,
+        lr=lr,
+        betas=(0.0, 1.0),
+        momentum=mu,
+        dampening=d,
+        precondition_frequency=NEVER,
+        grafting_config=SGDGraftingConfig(),
+    )
+    t_zero = torch.optim.SGD(zero, lr=lr, momentum=mu, dampening=d)
+    t_zero.state[zero[0]]["momentum_buffer"] = torch.zeros_like(w)
+    t_plain = torch.optim.SGD(plain, lr=lr, momentum=mu, dampening=d)
+    gen = torch.Generator().manual_seed(1)
+    g1 = torch.randn(3, 2, generator=gen, dtype=torch.float64)
+    for t in range(1, 4):
+        g = g1 if t == 1 else torch.randn(3, 2, generator=gen, dtype=torch.float64)
+        _step_both([(sh, s), (zero, t_zero), (plain, t_plain)], [g])
+        assert torch.equal(sh[0], zero[0])
+        torch.testing.assert_close(
+            s.state[sh[0]]["block0.momentum_buffer"].view(3, 2),
+            t_plain.state[plain[0]]["momentum_buffer"] - d * mu ** (t - 1) * g1,
+            rtol=1e-14,
+            atol=1e-15,
+        )
 
 
 def test_eigenvalue_corrected_with_identity_basis_is_adam() -> None:
@@ -480,6 +555,51 @@ def test_state_dict_resume_is_bitwise_with_weights_only(kwargs: dict[str, Any]) 
         assert ob.state[next(b.parameters())]["block0.factor0"].dtype == torch.float64
 
 
+def test_step_count_is_exact_past_two_to_the_24() -> None:
+    # A float32 count stalls at 2²⁴ (2²⁴ + 1 rounds back to it): with an even frequency
+    # the roots would never refresh again.  The root must be the float64 eigh root of
+    # the factor at each refreshing step (a 2-vector: one formed 2x2 root).
+    torch.manual_seed(0)
+    p = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    opt = Shampoo([p], lr=0.0, betas=(0.0, 1.0), epsilon=1e-3, precondition_frequency=2)
+    p.grad = torch.randn(2, dtype=torch.float64)
+    opt.step()
+    opt.state[p]["step"].fill_(2**24 - 1)
+    for t in range(2**24, 2**24 + 4):
+        p.grad = torch.randn(2, dtype=torch.float64)
+        opt.step()
+        assert int(opt.state[p]["step"]) == t
+        if t % 2 == 0:
+            F = opt.state[p]["block0.factor0"]
+            L, Q = torch.linalg.eigh(F + 1e-3 * torch.eye(2, dtype=torch.float64))
+            want = Q @ torch.diag(L**-0.5) @ Q.T
+            torch.testing.assert_close(opt.state[p]["block0.root0"], want, rtol=1e-10, atol=0)
+
+
+def test_old_float_step_count_loads() -> None:
+    pa, oa, pb, ob = _twins((4, 3), grafting_config=AdamGraftingConfig())
+    gen = torch.Generator().manual_seed(3)
+
+    def grads() -> list[torch.Tensor]:
+        return [
+            torch.randn(4, 3, generator=gen, dtype=torch.float64),
+            torch.randn(4, generator=gen, dtype=torch.float64),
+        ]
+
+    for _ in range(3):
+        _step_both([(pa, oa), (pb, ob)], grads())
+    sd = oa.state_dict()
+    for pstate in sd["state"].values():  # as saved before the count became int64
+        pstate["step"] = pstate["step"].to(torch.float32)
+    oa.load_state_dict(sd)
+    assert oa.state[pa[0]]["step"].dtype == torch.int64
+    for _ in range(2):
+        _step_both([(pa, oa), (pb, ob)], grads())
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+
+
 def test_load_refuses_another_rank_layout() -> None:
     m = _model(torch.float32)
     opt = Shampoo(m.parameters())
@@ -489,6 +609,106 @@ def test_load_refuses_another_rank_layout() -> None:
         ValueError, match=r"saved by rank 1 of 2, but this optimizer is rank 0 of 1"
     ):
         opt.load_state_dict(sd)
+
+
+def _assert_same_state_dict(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Bitwise equal optimizer state dicts: same keys, dtypes and bits, same groups."""
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid, sa in a["state"].items():
+        sb = b["state"][pid]
+        assert sa.keys() == sb.keys()
+        for k, v in sa.items():
+            assert v.dtype == sb[k].dtype and torch.equal(v, sb[k]), (pid, k)
+
+
+def _twins(
+    shape: tuple[int, ...], **kw: Any
+) -> tuple[list[torch.Tensor], Shampoo, list[torch.Tensor], Shampoo]:
+    """Two identical float64 parameters-and-optimizers, the second kept as the reference."""
+    torch.manual_seed(0)
+    w = [torch.randn(*shape, dtype=torch.float64), torch.randn(shape[0], dtype=torch.float64)]
+    pa = [x.clone().requires_grad_() for x in w]
+    pb = [x.clone().requires_grad_() for x in w]
+    return pa, Shampoo(pa, **kw), pb, Shampoo(pb, **kw)
+
+
+def _step_both(
+    pairs: list[tuple[list[torch.Tensor], torch.optim.Optimizer]], grads: list[torch.Tensor]
+) -> None:
+    for params, opt in pairs:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+
+
+def test_refused_load_leaves_the_optimizer_as_it_was() -> None:
+    kw: dict[str, Any] = dict(
+        max_preconditioner_dim=4, grafting_config=AdamGraftingConfig(), momentum=0.5
+    )
+    pa, oa, pb, ob = _twins((6, 5), **kw)
+    gen = torch.Generator().manual_seed(2)
+
+    def grads() -> list[torch.Tensor]:
+        return [
+            torch.randn(6, 5, generator=gen, dtype=torch.float64),
+            torch.randn(6, generator=gen, dtype=torch.float64),
+        ]
+
+    for _ in range(2):
+        _step_both([(pa, oa), (pb, ob)], grads())
+    before = oa.state_dict()
+    # (5, 6) saved into (6, 5): same number of entries, other block shapes.
+    q = [
+        torch.randn(5, 6, dtype=torch.float64, requires_grad=True),
+        torch.randn(6, dtype=torch.float64, requires_grad=True),
+    ]
+    oq = Shampoo(q, **kw)
+    _step_both(
+        [(q, oq)], [torch.randn(5, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the saved state 'block1.factor1' of parameter param_groups\[0\]\['params'\]\[0\] "
+        r"\(shape \(6, 5\)\) has shape \(2, 2\), expected \(1, 1\)",
+    ):
+        oa.load_state_dict(oq.state_dict())
+    bad = ob.state_dict()
+    bad["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"Invalid lr=-1.0"):
+        oa.load_state_dict(bad)
+    _assert_same_state_dict(oa.state_dict(), before)
+    for _ in range(3):  # and it still steps exactly like the untouched twin
+        _step_both([(pa, oa), (pb, ob)], grads())
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+
+
+def test_refused_param_group_is_not_added() -> None:
+    kw: dict[str, Any] = dict(grafting_config=AdamGraftingConfig(), momentum=0.5)
+    pa, oa, pb, ob = _twins((4, 3), **kw)
+    grads = [torch.ones(4, 3, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
+    _step_both([(pa, oa), (pb, ob)], grads)
+    before = oa.state_dict()
+    extra = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"Invalid lr=-1.0: must be in \[0.0, inf\)"):
+        oa.add_param_group({"params": [extra], "lr": -1.0})
+    with pytest.raises(
+        TypeError,
+        match=r"Shampoo optimizes floating-point parameters; got one of dtype torch.int64",
+    ):
+        oa.add_param_group({"params": iter([torch.zeros(3, dtype=torch.int64)])})
+    assert len(oa.param_groups) == 1
+    _assert_same_state_dict(oa.state_dict(), before)
+    _step_both([(pa, oa), (pb, ob)], [2 * g for g in grads])
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    # A valid group (from a generator) still joins and steps.
+    oa.add_param_group({"params": (x for x in [extra]), "lr": 0.1})
+    extra.grad = torch.ones(3, dtype=torch.float64)
+    oa.step()
+    assert len(oa.param_groups) == 2 and extra.ne(0).all()
 
 
 def test_param_groups_have_their_own_hyperparameters() -> None:
@@ -538,6 +758,61 @@ def test_non_finite_gradient_raises_before_any_change() -> None:
         assert torch.equal(v, before[k])
     for p, q in zip(m.parameters(), params, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # float32 factors: GGᵀ of a 1e20 gradient is 3e40 > 3.4e38.
+        dict(betas=(0.9, 0.999), grafting_config=AdamGraftingConfig()),
+        # float64 factors hold it; the float32 AdaGrad state g² does not.
+        dict(factor_dtype=torch.float64, grafting_config=AdaGradGraftingConfig()),
+        dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.99)),
+    ],
+)
+def test_overflowing_finite_gradient_is_refused_before_any_change(kwargs: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    w = [torch.randn(3, 3), torch.randn(3)]
+    pa = [x.clone().requires_grad_() for x in w]
+    pb = [x.clone().requires_grad_() for x in w]
+    oa, ob = Shampoo(pa, **kwargs), Shampoo(pb, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+
+    def grads() -> list[torch.Tensor]:
+        return [torch.randn(3, 3, generator=gen), torch.randn(3, generator=gen)]
+
+    _step_both([(pa, oa), (pb, ob)], grads())
+    before = oa.state_dict()
+    values = [p.detach().clone() for p in pa]
+    pa[0].grad = torch.full((3, 3), 1e20)
+    pa[1].grad = torch.ones(3)
+    with pytest.raises(
+        FloatingPointError,
+        match=r"the gradient of parameter param_groups\[0\]\['params'\]\[0\] \(shape \(3, 3\)\) "
+        r"is finite but would overflow Shampoo's factors or grafting state .*; no state was "
+        "changed",
+    ):
+        oa.step()
+    _assert_same_state_dict(oa.state_dict(), before)
+    for p, v in zip(pa, values, strict=True):
+        assert torch.equal(p, v)
+    for _ in range(3):  # the next steps equal an optimizer that never saw the bad gradient
+        _step_both([(pa, oa), (pb, ob)], grads())
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+
+
+def test_large_gradient_that_fits_is_taken() -> None:
+    # |g| = 1e18 in float32 (one 9-vector block: F = ggᵀ): entries 1e36 fit, and so does
+    # AdaGrad's g², so the step is taken, not refused.
+    p = torch.zeros(3, 3, requires_grad=True)
+    opt = Shampoo([p], grafting_config=AdaGradGraftingConfig())
+    p.grad = torch.full((3, 3), 1e18)
+    opt.step()
+    assert torch.isfinite(opt.state[p]["block0.factor0"]).all()
+    assert opt.state[p]["block0.factor0"][0, 0] == pytest.approx(1e36, rel=1e-6)
+    assert p.ne(0).all()
 
 
 def test_failed_root_keeps_previous_with_warning_naming_parameter(
@@ -611,7 +886,9 @@ BAD = [
     (
         dict(use_nesterov=True),
         ValueError,
-        r"use_nesterov=True needs momentum > 0 and dampening = 0",
+        r"use_nesterov=True needs momentum > 0 and dampening = 0 \(got momentum=0.0, "
+        r"dampening=0.0\): set momentum > 0 and dampening=0.0 \(torch.optim.SGD requires "
+        r"the same\)",
     ),
     (dict(use_nesterov=1), TypeError, r"Invalid use_nesterov=1: must be True or False"),
     (dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay=-0.1"),
@@ -711,6 +988,33 @@ def test_bad_config_fields_are_named() -> None:
         ValueError, match=r"cannot rebuild a Shampoo configuration from \{'type': 'Nope'\}"
     ):
         config_from_dict({"type": "Nope"})
+
+
+def test_unset_start_follows_a_later_precondition_frequency() -> None:
+    kw: dict[str, Any] = dict(max_preconditioner_dim=4, grafting_config=AdamGraftingConfig())
+    pa, oa, _, _ = _twins((6, 5), precondition_frequency=1, **kw)
+    _, _, pb, ob = _twins((6, 5), precondition_frequency=3, **kw)
+    assert oa.param_groups[0]["start_preconditioning_step"] is None
+    oa.param_groups[0]["precondition_frequency"] = 3  # the start (unset) moves to 3 too
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(7):
+        g = [
+            torch.randn(6, 5, generator=gen, dtype=torch.float64),
+            torch.randn(6, generator=gen, dtype=torch.float64),
+        ]
+        _step_both([(pa, oa), (pb, ob)], g)
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+    _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+    assert oa.state_dict()["param_groups"][0]["start_preconditioning_step"] is None
+    # An explicit start is still checked against the new frequency, naming both.
+    oa.param_groups[0]["start_preconditioning_step"] = 4
+    oa.param_groups[0]["precondition_frequency"] = 5
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid start_preconditioning_step=4: must be >= precondition_frequency=5",
+    ):
+        oa.step()
 
 
 def test_structural_change_after_first_step_and_integer_params_are_refused() -> None:

@@ -134,9 +134,14 @@ class KFACOptimizer(torch.optim.SGD):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (the K-FAC part first, checked in full)."""
+        """Restore :meth:`state_dict`'s output; both parts are checked before either is set."""
         state = dict(state_dict)
         if "kfac" not in state:
             raise ValueError("KFACOptimizer.load_state_dict: the state_dict has no 'kfac' entry")
-        self.kfac.load_state_dict(state.pop("kfac"))
+        kfac_state = state.pop("kfac")
+        self.kfac.check_state_dict(kfac_state)
+        # torch.optim checks the parameter groups before it assigns anything; a K-FAC
+        # state that passed its check loads without error, so neither part is left
+        # half-loaded
         super().load_state_dict(state)
+        self.kfac.load_state_dict(kfac_state)

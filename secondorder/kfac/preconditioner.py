@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..distributed import Reducer, resolve_reducer
 from .assignment import WorkAssignment, assign_work, factor_cost
-from .config import KFACConfig
+from .config import KFACConfig, check_damping
 from .layers import ConvLayer, EmbeddingLayer, KFACLayer, LinearLayer
 
 __all__ = ["KFAC", "SUPPORTED_MODULES"]
@@ -54,6 +54,12 @@ def _unpack(v: Tensor, n: int) -> Tensor:
     return out + torch.triu(out, diagonal=1).mT
 
 
+def _in_functorch_transform() -> bool:
+    # torch.func exposes no public "am I inside a transform" test; the interpreter
+    # stack is empty outside every vmap/grad/jacrev
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _all_finite(t: Tensor) -> bool:
     # A sum is finite only if every term is (inf and NaN propagate): one reduction
     # instead of isfinite's full-size temporaries; the elementwise test settles a
@@ -84,7 +90,11 @@ class KFAC:
     ``B²`` times its.  So ``damping=B²·λ, kl_clip=B²·c`` at the same lr reproduces a
     KAISA run (damping λ, kl_clip c) exactly whenever our clip is active (KAISA's
     ν < 1/B²); without clipping, use ``lr·B²`` instead.  Dimension 0 of a layer's input
-    is the batch.
+    is the batch.  A layer called several times in one call of the model (weight sharing)
+    counts its calls as more positions of the same samples, as one call over stacked
+    inputs would; every training-mode forward must be backpropagated before
+    :meth:`step` (wrap metrics in ``torch.no_grad()``), and calls inside ``torch.func``
+    transforms are not captured.
 
     Distribution (``torch.distributed`` through a :class:`~secondorder.distributed.Reducer`):
     every rank must hold the gradient of the global batch (DDP, or an all-reduce of its
@@ -186,7 +196,11 @@ class KFAC:
         self.skipped_factor_updates = 0
         self._warned: set[str] = set()
         self._capturing = True
-        self._handles = [
+        #: calls of the model so far, and the call in which each layer last ran.
+        self._pass = 0
+        self._layer_pass: dict[str, int] = {}
+        self._handles = [model.register_forward_pre_hook(self._new_pass)]
+        self._handles += [
             layer.module.register_forward_hook(self._forward_hook(layer))
             for layer in layers.values()
         ]
@@ -260,29 +274,61 @@ class KFAC:
         value = s.get_scale() if hasattr(s, "get_scale") else s()
         return float(value)
 
+    def _new_pass(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        # One call of the model is one pass over its batch: a layer called several
+        # times in it (weight sharing) sees the same samples at more positions.
+        if not _in_functorch_transform():
+            self._pass += 1
+
     def _forward_hook(self, layer: KFACLayer) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             # evaluation (eval mode or no_grad) must not leak into the factors
             if not self._capturing or not module.training or not torch.is_grad_enabled():
                 return
+            # torch.func transforms (vmap, grad, jacrev) run the model on wrapped tensors
+            # that must not outlive the transform: such a call is not a training step
+            if _in_functorch_transform():
+                return
+            x = inputs[0]
+            # a call starts a new pass when the model was called again, or when every
+            # earlier call of this layer was backpropagated (the model's submodules
+            # called directly, micro-batch after micro-batch); samples are counted once
+            # per pass, so repeated calls within a pass are extra positions, not samples
+            new = (
+                self._layer_pass.get(layer.name) != self._pass
+                or layer.forward_calls == layer.backward_calls
+            )
+            self._layer_pass[layer.name] = self._pass
+            mask = layer.position_mask(x)
             with torch.no_grad():
-                layer.add_a(inputs[0])
+                layer.add_a(x)
             if isinstance(output, Tensor) and output.requires_grad:
                 batch = output.shape[0]
+                samples = batch if new else 0
                 # A tensor hook on the output, not a module backward hook: it survives an
                 # in-place activation applied to the output afterwards (it receives the
                 # gradient with respect to the value before the in-place op).
-                output.register_hook(lambda go: self._backward(layer, go, batch))
+                output.register_hook(lambda go: self._backward(layer, go, batch, samples, mask))
 
         return hook
 
-    def _backward(self, layer: KFACLayer, grad_output: Tensor, batch: int) -> None:
+    def _backward(
+        self,
+        layer: KFACLayer,
+        grad_output: Tensor,
+        batch: int,
+        samples: int,
+        mask: Tensor | None,
+    ) -> None:
         if self.config.loss_reduction == "mean":
             scale = float(batch * self.config.accumulation_steps)
         else:
             scale = 1.0
         with torch.no_grad():
-            layer.add_g(grad_output, scale / self._grad_scale(), batch)
+            if mask is not None:
+                # positions that do not reach the weight (Embedding padding) add nothing to G
+                grad_output = grad_output * mask.unsqueeze(-1).to(grad_output.dtype)
+            layer.add_g(grad_output, scale / self._grad_scale(), samples)
 
     def remove_hooks(self) -> None:
         """Detach K-FAC from the model (the layers keep their factors)."""
@@ -302,34 +348,66 @@ class KFAC:
         grads: dict[str, Tensor] = {}
         for name, layer in self.layers.items():
             g = layer.grad()
-            if g is None:
+            frozen = not layer.module.weight.requires_grad
+            if g is None or frozen:
                 if name not in self._warned:
                     self._warned.add(name)
                     warnings.warn(
-                        f"K-FAC layer {name!r} has no gradient at step {self.steps} (frozen or "
-                        "unused); it is not preconditioned while that lasts.",
+                        f"K-FAC layer {name!r} has no gradient at step {self.steps} (frozen with "
+                        "requires_grad=False, or unused); it is not preconditioned while that "
+                        "lasts.",
                         RuntimeWarning,
                         stacklevel=3,
                     )
                 continue
-            if capture and (layer.forward_calls == 0 or layer.backward_calls == 0):
-                which = "forward" if layer.forward_calls == 0 else "output-gradient"
-                raise RuntimeError(
-                    f"K-FAC layer {name!r} ({layer.kind}) has a gradient but its {which} hook "
-                    f"did not fire since the last step: the model uses its weight without "
-                    "calling the module (functional use, as nn.MultiheadAttention does with "
-                    "out_proj), called it under torch.no_grad(), or detached its output. Pass "
-                    f"skip_layers=[{name!r}] to keep its plain gradient."
-                )
+            if capture:
+                self._check_calls(name, layer)
             grads[name] = g
         return grads
+
+    def _check_calls(self, name: str, layer: KFACLayer) -> None:
+        f, b = layer.forward_calls, layer.backward_calls
+        where = f"K-FAC layer {name!r} ({layer.kind})"
+        if f == 0 and not layer.module.training:
+            raise RuntimeError(
+                f"{where} has a gradient but is in eval mode, so K-FAC gathered no statistics "
+                "for it (eval-mode forwards are left out of the factors on purpose): call "
+                "model.train() before the training forward, and model.eval() only for "
+                f"evaluation. To keep its plain gradient, pass skip_layers=[{name!r}]."
+            )
+        if f == 0:
+            raise RuntimeError(
+                f"{where} has a gradient but its forward hook did not fire since the last "
+                "step: the model uses its weight without calling the module (functional use, "
+                "as nn.MultiheadAttention does with out_proj), or called it under "
+                "torch.no_grad() or inside a torch.func transform. Pass "
+                f"skip_layers=[{name!r}] to keep its plain gradient."
+            )
+        if b == 0:
+            raise RuntimeError(
+                f"{where} has a gradient and ran forward {f} time(s) since the last step, but "
+                "no gradient reached its output: its output was detached or not used in the "
+                "loss. To freeze the layer, set requires_grad=False on its parameters; to keep "
+                f"its plain gradient, pass skip_layers=[{name!r}]."
+            )
+        if f != b:
+            raise RuntimeError(
+                f"{where} ran {f} training-mode forward call(s) but received {b} output "
+                "gradient(s) since the last step: a forward that is not backpropagated (a "
+                "metric or validation loss computed in training mode) would enter its factor "
+                "A. Wrap extra forwards in torch.no_grad() or run them in eval mode "
+                "(model.eval())."
+            )
 
     def step(self) -> None:
         """Update factors and decompositions when due, then precondition every ``.grad``."""
         cfg = self.config
         step = self.steps
+        # every scheduled value this step needs, read (and checked) before anything changes;
+        # the next step's factor interval decides whether its forward is captured
         f_steps = cfg.at("factor_update_steps", step)
         i_steps = cfg.at("inv_update_steps", step)
+        next_f_steps = cfg.at("factor_update_steps", step + 1)
         capture = step % f_steps == 0
         damping = self.damping
         decay = cfg.at("factor_decay", step)
@@ -339,7 +417,7 @@ class KFAC:
         if capture:
             self._update_factors(decay)
         if step % i_steps == 0:
-            self._update_inverses(damping)
+            self._update_inverses(damping, i_steps)
         pre = self._precondition(grads, damping)
         nu: float = 1.0
         if kl_clip is not None and pre:
@@ -351,7 +429,8 @@ class KFAC:
             self.layers[name].set_grad(p.mul_(nu) if nu != 1.0 else p)
         self.last_nu = nu
         self.steps += 1
-        self._capturing = self.steps % cfg.at("factor_update_steps", self.steps) == 0
+        self._capturing = self.steps % next_f_steps == 0
+        self._layer_pass.clear()
         for layer in self.layers.values():
             layer.reset_stats()
 
@@ -382,10 +461,9 @@ class KFAC:
             if a_rows > 0 and g_samples > 0:
                 layer.update_factors(a, a_rows, g, g_samples, decay)
 
-    def _update_inverses(self, damping: float) -> None:
+    def _update_inverses(self, damping: float, uses: int) -> None:
         cfg = self.config
         asg, rank = self.assignment, self.reducer.rank
-        uses = int(cfg.at("inv_update_steps", self.steps))
         for name, layer in self.layers.items():
             if asg.inverse_worker[name] == rank:
                 layer.decompose(cfg.compute_method, damping, cfg.inv_dtype, uses)
@@ -469,25 +547,74 @@ class KFAC:
             "layers": layers,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; every entry is checked before any is set."""
+    def check_state_dict(self, state: Any) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        if not isinstance(state, dict):
+            raise TypeError(f"K-FAC state_dict must be a dict, got {type(state).__name__}")
         missing = {"steps", "layers"} - set(state)
         if missing:
             raise ValueError(f"K-FAC state_dict lacks {sorted(missing)}")
+        steps = state["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"K-FAC state_dict: steps={steps!r} must be an integer >= 0")
+        override = state.get("damping_override")
+        if override is not None:
+            try:
+                check_damping(override)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f"K-FAC state_dict: damping_override={override!r} must be a finite number "
+                    "> 0 or None"
+                ) from exc
+        skipped = state.get("skipped_factor_updates", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(
+                f"K-FAC state_dict: skipped_factor_updates={skipped!r} must be an integer >= 0"
+            )
+        if not isinstance(state["layers"], dict):
+            raise TypeError("K-FAC state_dict: 'layers' must be a dict of layer name → entry")
         names = set(state["layers"])
         if names != set(self.layers):
             raise ValueError(
                 f"K-FAC state_dict holds layers {sorted(names)} but this model's preconditioned "
                 f"layers are {sorted(self.layers)}"
             )
+        method = self.config.compute_method
         for name, entry in state["layers"].items():
-            a_shape, g_shape = self.layers[name].factor_shapes()
+            layer = self.layers[name]
+            where = f"K-FAC state_dict: layer {name!r}"
+            if not isinstance(entry, dict):
+                raise TypeError(f"{where} entry must be a dict, got {type(entry).__name__}")
+            if ("A" in entry) != ("G" in entry):
+                have, lack = ("A", "G") if "A" in entry else ("G", "A")
+                raise ValueError(f"{where} has factor {have} but no {lack}: both or neither")
+            a_shape, g_shape = layer.factor_shapes()
             for key, shape in (("A", a_shape), ("G", g_shape)):
-                if key in entry and tuple(entry[key].shape) != tuple(shape):
-                    raise ValueError(
-                        f"K-FAC state_dict: layer {name!r} factor {key} has shape "
-                        f"{tuple(entry[key].shape)}, expected {tuple(shape)}"
-                    )
+                if key in entry:
+                    _check_tensor(where, f"factor {key}", entry[key], shape)
+            inv = entry.get("inv", {})
+            if not isinstance(inv, dict):
+                raise TypeError(f"{where} 'inv' must be a dict, got {type(inv).__name__}")
+            if not inv:
+                continue  # no decomposition yet, or one this rank does not hold
+            layouts = layer.inverse_layouts(method)
+            layout = next((lay for lay in layouts if set(lay) == set(inv)), None)
+            if layout is None:
+                raise ValueError(
+                    f"{where} holds decomposition {sorted(inv)}, which compute_method="
+                    f"{method!r} cannot use (it expects one of "
+                    f"{[sorted(lay) for lay in layouts]}); load it into a K-FAC built with the "
+                    "compute_method that saved it."
+                )
+            for key, shape in layout.items():
+                _check_tensor(where, f"decomposition {key}", inv[key], shape)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; every entry is checked before any is set."""
+        self.check_state_dict(state)
+        # read before assigning: a callable factor_update_steps may refuse the step count
+        steps = int(state["steps"])
+        capturing = steps % self.config.at("factor_update_steps", steps) == 0
         for name, entry in state["layers"].items():
             layer = self.layers[name]
             if "A" in entry:
@@ -496,8 +623,15 @@ class KFAC:
             else:
                 layer.A = layer.G = None
             layer.inv = {k: v.clone() for k, v in entry.get("inv", {}).items()}
-        self.steps = int(state["steps"])
+        self.steps = steps
         override = state.get("damping_override")
         self.damping_override = None if override is None else float(override)
         self.skipped_factor_updates = int(state.get("skipped_factor_updates", 0))
-        self._capturing = self.steps % self.config.at("factor_update_steps", self.steps) == 0
+        self._capturing = capturing
+
+
+def _check_tensor(where: str, what: str, t: Any, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        raise TypeError(f"{where} {what} must be a floating tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{where} {what} has shape {tuple(t.shape)}, expected {tuple(shape)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -153,3 +155,88 @@ def test_reducer_collective_arguments_on_one_process() -> None:
         r.broadcast_from_([torch.zeros(1)], 1)
     with pytest.raises(ValueError, match=r"Invalid groups=\[\[0, 1\]\]: must be non-empty"):
         r.split([[0, 1]])
+
+
+def _trained(compute_method: str = "eigen", **kw: Any) -> tuple[nn.Sequential, KFACOptimizer]:
+    model = mlp()
+    opt = KFACOptimizer(model, compute_method=compute_method, **kw)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).pow(2).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+def test_next_steps_schedule_value_is_checked_before_anything_changes() -> None:
+    model = mlp()
+    k = KFAC(model, factor_update_steps=lambda s: 1 if s < 1 else 0, kl_clip=None)
+    model(torch.randn(4, 3)).sum().backward()
+    state = k.state_dict()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid factor_update_steps=0.*returned by the callable factor_update_steps "
+        r"at step 1",
+    ):
+        k.step()
+    assert _same(k.state_dict(), state) and k.steps == 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+
+
+def test_optimizer_load_refused_by_sgd_part_changes_neither_part() -> None:
+    _, source = _trained()
+    _, opt = _trained()
+    bad = source.state_dict()
+    bad["param_groups"] = [*bad["param_groups"], dict(bad["param_groups"][0], params=[99])]
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"different number of parameter groups"):
+        opt.load_state_dict(bad)
+    assert _same(opt.state_dict(), before)
+    # a bad K-FAC part leaves the SGD part (momentum buffers) alone too
+    bad = source.state_dict()
+    bad["kfac"] = dict(bad["kfac"], steps=-1)
+    with pytest.raises(ValueError, match=r"K-FAC state_dict: steps=-1 must be an integer >= 0"):
+        opt.load_state_dict(bad)
+    assert _same(opt.state_dict(), before)
+
+
+def test_load_state_dict_checks_decompositions_and_factor_pairs_first() -> None:
+    _, eigen = _trained("eigen")
+    _, inverse = _trained("inverse")
+    k = inverse.kfac
+    before = k.state_dict()
+    with pytest.raises(
+        ValueError,
+        match=r"layer '0' holds decomposition \['QA', 'QG', 'dA', 'dG'\], which "
+        r"compute_method='inverse' cannot use",
+    ):
+        k.load_state_dict(eigen.kfac.state_dict())
+    assert _same(k.state_dict(), before)
+    good = eigen.kfac.state_dict()
+    # layer '0' is fine, layer '2' lacks G: nothing may be loaded
+    bad = dict(good, layers={"0": good["layers"]["0"], "2": {"A": good["layers"]["2"]["A"]}})
+    with pytest.raises(ValueError, match=r"layer '2' has factor A but no G: both or neither"):
+        eigen.kfac.load_state_dict(bad)
+    assert _same(eigen.kfac.state_dict(), good)
+    wrong = {k_: v.clone() for k_, v in good["layers"]["2"]["inv"].items()}
+    wrong["dG"] = wrong["dG"][..., :1]
+    bad = dict(good, layers={"0": good["layers"]["0"], "2": dict(good["layers"]["2"], inv=wrong)})
+    with pytest.raises(
+        ValueError, match=r"layer '2' decomposition dG has shape \(1, 1\), expected"
+    ):
+        eigen.kfac.load_state_dict(bad)
+    with pytest.raises(
+        ValueError, match=r"K-FAC state_dict: damping_override=-1.0 must be a finite number > 0"
+    ):
+        eigen.kfac.load_state_dict(dict(good, damping_override=-1.0))
+    assert _same(eigen.kfac.state_dict(), good)

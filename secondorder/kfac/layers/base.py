@@ -92,6 +92,14 @@ class KFACLayer:
         self.g_samples += samples
         self.backward_calls += 1
 
+    def position_mask(self, x: Tensor) -> Tensor | None:
+        """Which positions of one input reach the weight (None: all of them).
+
+        The output gradient at a masked-out position is left out of G (an Embedding's
+        padding token gets no weight gradient, so it is no sample of its Fisher block).
+        """
+        return None
+
     def stats(self) -> list[Tensor]:
         """The sums that ranks add up: ``[Σ a aᵀ, Σ g gᵀ]`` (zeros where nothing was seen)."""
         a_shape, g_shape = self.factor_shapes()
@@ -146,6 +154,10 @@ class KFACLayer:
     def inverse_shapes(self, method: str, uses: int = 1) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors of :attr:`inv`, so a receiving rank can allocate them."""
         raise NotImplementedError
+
+    def inverse_layouts(self, method: str) -> list[dict[str, tuple[int, ...]]]:
+        """Every key → shape layout of :attr:`inv` for ``method`` (checked when state loads)."""
+        return [self.inverse_shapes(method)]
 
     def precondition(self, grad: Tensor, method: str, damping: float) -> Tensor:
         """The preconditioned gradient ``(A ⊗ G + λI)⁻¹ ∇`` (eigen) or its inverse-method twin."""
@@ -370,6 +382,16 @@ class KroneckerLayer(KFACLayer):
             "A_chol" if chol_a else "A_inv": (ga, i, i),
             "G_chol" if chol_g else "G_inv": (gg, o, o),
         }
+
+    def inverse_layouts(self, method: str) -> list[dict[str, tuple[int, ...]]]:  # noqa: D102
+        if method == "eigen":
+            return [self.inverse_shapes(method)]
+        # the inverse method keeps each factor as an inverse or as a Cholesky factor,
+        # whichever the inverse update interval made cheaper
+        (ga, i, _), (gg, o, _) = self.factor_shapes()
+        return [
+            {a: (ga, i, i), g: (gg, o, o)} for a in ("A_inv", "A_chol") for g in ("G_inv", "G_chol")
+        ]
 
     def decompose(  # noqa: D102
         self, method: str, damping: float, dtype: torch.dtype, uses: int = 1

@@ -1,7 +1,8 @@
 """``nn.Embedding``: a Linear layer on one-hot inputs, so A is diagonal.
 
 For token ``t`` the "input" is the one-hot vector ``e_t``; ``E[e_t e_tᵀ]`` is the
-diagonal of token frequencies, kept as a vector (``num_embeddings`` numbers instead of
+diagonal of token frequencies (positions holding ``padding_idx`` get no weight gradient,
+so they count neither in A nor in G), kept as a vector (``num_embeddings`` numbers instead of
 its square).  In the ``(o, i)`` layout the gradient is ``weight.grad.T``
 (``embedding_dim × num_embeddings``), and the eigenvectors of A are the identity.
 """
@@ -42,10 +43,20 @@ class EmbeddingLayer(KFACLayer):
             torch.eye(self.dim, dtype=dt, device=dev).unsqueeze(0),
         )
 
+    def position_mask(self, x: Tensor) -> Tensor | None:  # noqa: D102
+        pad = self.embedding.padding_idx
+        return None if pad is None else x != pad
+
     def a_stats(self, x: Tensor) -> tuple[Tensor, int]:  # noqa: D102
         idx = x.reshape(-1).long()
         counts = torch.bincount(idx, minlength=self.num).to(self.factor_dtype)
-        return counts.unsqueeze(0), idx.numel()
+        rows = idx.numel()
+        pad = self.embedding.padding_idx
+        if pad is not None:
+            # padding positions get no weight gradient: they are not rows of A
+            rows -= int(counts[pad])
+            counts[pad] = 0.0
+        return counts.unsqueeze(0), rows
 
     def add_a(self, x: Tensor) -> None:  # noqa: D102
         # indices are integers: count them without casting to the factor dtype first

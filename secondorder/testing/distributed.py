@@ -156,24 +156,30 @@ def run_ranks(
             p.join()
         if hung:
             raise RankError(f"ranks {hung} of {world} were still running after {deadline_s} s")
-        results: dict[int, RankResult] = {}
-        for r in range(world):
-            path = Path(tmp, f"rank{r}.pkl")
-            if not path.exists():
-                if check and r in waited:
-                    raise RankError(
-                        f"rank {r} of {world} wrote no result (exit code {procs[r].exitcode})"
-                    )
-                continue
-            payload = pickle.loads(path.read_bytes())
-            results[r] = RankResult(
-                rank=r,
-                value=payload.get("value"),
-                error=payload.get("error"),
-                error_type=payload.get("error_type"),
+        exit_codes = [p.exitcode for p in procs]
+        return _collect(Path(tmp), world, waited, exit_codes, check)
+
+
+def _collect(
+    tmp: Path, world: int, waited: Sequence[int], exit_codes: Sequence[int | None], check: bool
+) -> dict[int, RankResult]:
+    """Read each rank's pickled result; with ``check``, raise for a waited-for failure."""
+    results: dict[int, RankResult] = {}
+    for r in range(world):
+        path = tmp / f"rank{r}.pkl"
+        if not path.exists():
+            if check and r in waited:
+                raise RankError(f"rank {r} of {world} wrote no result (exit code {exit_codes[r]})")
+            continue
+        payload = pickle.loads(path.read_bytes())
+        results[r] = RankResult(
+            rank=r,
+            value=payload.get("value"),
+            error=payload.get("error"),
+            error_type=payload.get("error_type"),
+        )
+        if check and r in waited and "error" in payload:
+            raise RankError(
+                f"rank {r} of {world} raised {payload['error']}\n{payload['traceback']}"
             )
-            if check and r in waited and "error" in payload:
-                raise RankError(
-                    f"rank {r} of {world} raised {payload['error']}\n{payload['traceback']}"
-                )
-        return results
+    return results

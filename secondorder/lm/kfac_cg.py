@@ -185,7 +185,7 @@ def slice_statistics(
     live = [k for k, layer in enumerate(layers) if calls[k] == 1]
     outs = [seen[layers[k].name][0][1] for k in live]
     g_sums: dict[int, Tensor] = {}
-    for j in range(r2.shape[1]):
+    for j in range(r2.shape[1] if outs else 0):
         grads = torch.autograd.grad(
             r2[:, j].sum(), outs, retain_graph=j + 1 < r2.shape[1], allow_unused=True
         )

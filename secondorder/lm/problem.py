@@ -12,6 +12,7 @@ where the dual form or the solver needs them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -282,9 +283,7 @@ class ModelProblem:
                     a_parts, g_parts, calls = slice_statistics(
                         ev.model,
                         layers,
-                        lambda ev=ev, params=params, inputs=inputs, targets=targets: ev.batch(
-                            params, inputs, targets
-                        ),
+                        functools.partial(ev.batch, params, inputs, targets),
                         samples,
                     )
                 for i in range(len(layers)):

@@ -195,6 +195,9 @@ def test_default_preconditioner_is_jacobi_and_round_trips() -> None:
     opt.step(x, y)
     state = opt.state_dict()
     assert state["param_groups"][0]["config"]["cg_preconditioner"] == "kfac"
+    # The default is left out, so files of the default configuration are unchanged.
+    jacobi = so.LevenbergMarquardt(_mlp(8)).state_dict()
+    assert "cg_preconditioner" not in jacobi["param_groups"][0]["config"]
     other = so.LevenbergMarquardt(_mlp(8), solver="cg", cg_preconditioner="kfac")
     other.load_state_dict(state)
     assert other.damping == opt.damping

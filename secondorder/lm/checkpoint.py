@@ -60,6 +60,10 @@ class Checkpoint:
     auto_jacobian: dict[str, str]
 
 
+#: Settings added to LMConfig after format 2, and their defaults.
+_LATER_SETTINGS: dict[str, Any] = {"cg_preconditioner": "jacobi"}
+
+
 def write_state_dict(
     checkpoint: Checkpoint,
     config: LMConfig,
@@ -69,6 +73,11 @@ def write_state_dict(
     """The format-2 state dict of ``checkpoint`` for parameters of ``shapes`` (n scalars)."""
     cfg = asdict(config)
     cfg["gram_dtype"] = None if config.gram_dtype is None else str(config.gram_dtype)
+    for key, default in _LATER_SETTINGS.items():
+        # Settings added after format 2 appear only when set, so a checkpoint of the
+        # default configuration is the one earlier releases wrote.
+        if cfg[key] == default:
+            del cfg[key]
     scale = checkpoint.scale
     state = {
         "damping": checkpoint.damping,

@@ -106,12 +106,19 @@ class Choices:
         if slice_size is None and len(fn.group) > 1:
             # At least one slice per device, or some devices would sit idle.
             slices = min(slices, -(-batch // len(fn.group)))
+        strategy = make_jacobian(name, slice_size if name.startswith("batch") else None)
+        if cfg.cg_preconditioner == "kfac" and plan.solver == "cg" and not strategy.per_sample:
+            raise ValueError(
+                f"cg_preconditioner='kfac' needs per-sample residuals, but this batch uses "
+                f"jacobian={name!r} (samples interact: a ModelResidual, or BatchNorm in "
+                "training mode); use cg_preconditioner='jacobi'"
+            )
         setup = BatchSetup(
             inputs=inputs,
             targets=targets,
             batch_size=batch,
             slice_size=slices,
-            strategy=make_jacobian(name, slice_size if name.startswith("batch") else None),
+            strategy=strategy,
             solver=self._solver(plan.solver, gram_dtype),
             form=plan.form,
             gram_dtype=gram_dtype,
@@ -121,11 +128,24 @@ class Choices:
 
     def _solver(self, name: str, gram_dtype: torch.dtype | None) -> LinearSolver:
         cfg = self.config
-        cg = {"cg_rtol": cfg.cg_rtol, "cg_max_iter": cfg.cg_max_iter, "cg_forcing": cfg.cg_forcing}
+        cg: dict[str, Any] = {
+            "cg_rtol": cfg.cg_rtol,
+            "cg_max_iter": cfg.cg_max_iter,
+            "cg_forcing": cfg.cg_forcing,
+        }
+        if cfg.cg_preconditioner != "jacobi":
+            # Only passed when set, so array-module backends see the options they know.
+            cg["cg_preconditioner"] = cfg.cg_preconditioner
         if self.reducer.world_size == 1:
             return make_backend_solver(name, cfg.linalg_backend, gram_dtype, **cg)
         inner = (
-            ShardedCGSolver(self.reducer, cfg.cg_rtol, cfg.cg_max_iter, cfg.cg_forcing)
+            ShardedCGSolver(
+                self.reducer,
+                cfg.cg_rtol,
+                cfg.cg_max_iter,
+                cfg.cg_forcing,
+                cfg.cg_preconditioner,
+            )
             if name == "cg"
             else make_backend_solver(name, cfg.linalg_backend, gram_dtype, **cg)
         )

@@ -22,17 +22,22 @@ Which solver to choose:
   is that of J rather than its square (MINPACK's method); needs J stored.  For each λ,
   a QR of the small stacked matrix ``[R; √λ·D^½]``.
 * ``"cg"``: matrix-free conjugate gradients with a Jacobi preconditioner, using only
-  products with J and Jᵀ; for parameter counts whose n×n Gram does not fit.
+  products with J and Jᵀ; for parameter counts whose n×n Gram does not fit.  With
+  ``preconditioner="kfac"`` the ``nn.Linear`` blocks are preconditioned by their
+  Kronecker-factored Gauss-Newton approximation (:mod:`secondorder.lm.kfac_cg`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from .kfac_cg import CG_PRECONDITIONERS, KroneckerPreconditioner, KroneckerStats
 
 __all__ = [
     "SOLVERS",
@@ -75,6 +80,8 @@ class NormalEquations:
             number of nonzero columns over the number of rows), when the dual form's
             precision choice needs it (:mod:`secondorder.precision`); read with
             :meth:`scalars`.
+        kronecker: the K-FAC factors of the model's layers, summed over ranks, when the
+            CG solver preconditions with them (:mod:`secondorder.lm.kfac_cg`).
     """
 
     loss_sum: Tensor
@@ -87,6 +94,7 @@ class NormalEquations:
     dual: bool = False
     scale_sq: Tensor | None = None
     dual_scale: Tensor | None = None
+    kronecker: KroneckerStats | None = None
     _host: tuple[bool, float, float] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -214,6 +222,8 @@ class LinearSolver:
     name = ""
     #: Whether this solver needs J itself (not only ``JᵀJ``) in the primal form.
     needs_jacobian = False
+    #: Whether this solver needs the record's K-FAC factors (CG with ``"kfac"``).
+    needs_kronecker = False
 
     def factor(self, system: NormalEquations, d: Tensor) -> Factorization:
         """Prepare the solves of one iteration for damping diagonal ``d``."""
@@ -423,13 +433,26 @@ class QRSolver(LinearSolver):
 
 @dataclass
 class CGFactorization(Factorization):
-    """CG "factorisation": nothing is factored; each solve iterates on ``(JᵀJ + λD)v = b``."""
+    """CG "factorisation": nothing is factored; each solve iterates on ``(JᵀJ + λD)v = b``.
+
+    ``kronecker``, when given, replaces the Jacobi preconditioner: its eigenbases were
+    computed once, and every λ reuses them.
+    """
 
     system: NormalEquations
     d: Tensor
     rtol: float
     max_iter: int
     iterations: int = field(default=0)
+    kronecker: KroneckerPreconditioner | None = None
+
+    def _preconditioner(self, damping: float) -> Callable[[Tensor], Tensor]:
+        """``v ↦ M⁻¹v`` at λ = ``damping``: Jacobi, or K-FAC where configured."""
+        kron = self.kronecker
+        if kron is not None:
+            return lambda res: kron.apply(damping, res)
+        precond = 1.0 / (self.system.col_sq + damping * self.d)
+        return lambda res: precond * res
 
     def _matvec(self, v: Tensor, damping: float) -> Tensor:
         s = self.system
@@ -442,10 +465,10 @@ class CGFactorization(Factorization):
 
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         """Preconditioned CG from zero; stops at ``‖res‖ ≤ rtol·‖b‖``."""
-        precond = 1.0 / (self.system.col_sq + damping * self.d)
+        precond = self._preconditioner(damping)
         x = torch.zeros_like(b)
         res = b.clone()
-        z = precond * res
+        z = precond(res)
         p = z.clone()
         rz = torch.dot(res, z)
         target = self.rtol * float(torch.linalg.vector_norm(b))
@@ -460,7 +483,7 @@ class CGFactorization(Factorization):
             alpha = rz / pap
             x = x + alpha * p
             res = res - alpha * ap
-            z = precond * res
+            z = precond(res)
             rz_new = torch.dot(res, z)
             p = z + (rz_new / rz) * p
             rz = rz_new
@@ -492,17 +515,42 @@ class CGSolver(LinearSolver):
     model reduction ``-2gᵀδ - ‖Jδ‖²``, so an inexact step is never accepted on a
     false promise.  Choose a forcing term when CG iterations dominate the step
     time; ``η_max = 0.5`` is a common choice.
+
+    ``preconditioner="kfac"`` preconditions each ``nn.Linear`` block by its
+    Kronecker-factored Gauss-Newton approximation ``G ⊗ A`` plus damping
+    (:mod:`secondorder.lm.kfac_cg`), the rest by Jacobi; the record must then carry
+    the factors (``needs_kronecker``), which the LM problem computes in ``linearize``.
     """
 
     name = "cg"
     needs_jacobian = True
 
     def __init__(
-        self, rtol: float = 1e-6, max_iter: int | None = None, forcing: float | None = None
+        self,
+        rtol: float = 1e-6,
+        max_iter: int | None = None,
+        forcing: float | None = None,
+        preconditioner: str = "jacobi",
     ) -> None:
+        if preconditioner not in CG_PRECONDITIONERS:
+            raise ValueError(
+                f"Unknown cg_preconditioner={preconditioner!r}; valid choices are "
+                f"{CG_PRECONDITIONERS}."
+            )
         self.rtol = rtol
         self.max_iter = max_iter
         self.forcing = forcing
+        self.preconditioner = preconditioner
+        #: Whether ``factor`` needs the record's K-FAC factors.
+        self.needs_kronecker = preconditioner == "kfac"
+
+    def kronecker(self, system: NormalEquations, d: Tensor) -> KroneckerPreconditioner | None:
+        """The K-FAC preconditioner of ``system`` (``None`` under Jacobi)."""
+        if not self.needs_kronecker:
+            return None
+        if system.kronecker is None:
+            raise RuntimeError("cg_preconditioner='kfac' needs the record's Kronecker factors")
+        return KroneckerPreconditioner(system.kronecker, d, system.col_sq)
 
     def tolerance(self, system: NormalEquations) -> float:
         """The relative residual at which CG stops for ``system`` (see the class)."""
@@ -520,7 +568,9 @@ class CGSolver(LinearSolver):
         if system.dual:
             raise RuntimeError("the cg solver works on the primal form")
         max_iter = self.max_iter if self.max_iter is not None else max(1, system.n)
-        return CGFactorization(system, d.to(system.grad.dtype), self.tolerance(system), max_iter)
+        d = d.to(system.grad.dtype)
+        kron = self.kronecker(system, d)
+        return CGFactorization(system, d, self.tolerance(system), max_iter, kronecker=kron)
 
 
 SOLVERS = ("auto", "cholesky", "eigh", "qr", "cg")
@@ -532,6 +582,7 @@ def make_solver(
     cg_rtol: float = 1e-6,
     cg_max_iter: int | None = None,
     cg_forcing: float | None = None,
+    cg_preconditioner: str = "jacobi",
 ) -> LinearSolver:
     """Build the solver called ``name``; ``"auto"`` is resolved by the caller."""
     if name == "cholesky":
@@ -541,5 +592,5 @@ def make_solver(
     if name == "qr":
         return QRSolver(dtype)
     if name == "cg":
-        return CGSolver(cg_rtol, cg_max_iter, cg_forcing)
+        return CGSolver(cg_rtol, cg_max_iter, cg_forcing, cg_preconditioner)
     raise ValueError(f"Unknown solver={name!r}; valid choices are {SOLVERS}.")

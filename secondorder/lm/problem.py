@@ -12,6 +12,7 @@ where the dual form or the solver needs them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,15 +20,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import jvp, vjp
+from torch.utils._pytree import tree_flatten
 
 from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
 from .jacobian import JacobianStrategy, ResidualProgram
+from .kfac_cg import KroneckerStats, kronecker_layers, slice_statistics
 from .linalg import LinearSolver, NormalEquations, gram_update
 from .model import ModelEvaluator, ModelFunction, slice_tree
 from .sharded import ShardedNormalEquations
 
 __all__ = ["BatchSetup", "ModelProblem"]
+
+
+def _leaves(tree: Any) -> list[Tensor]:
+    """The tensors of a batch tree (its first holds the batch dimension)."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,8 @@ class ModelProblem:
             function.reducer.world_size > 1 and self.store_rows and not sharded_rows
         )
         self.rows_sharded = self.store_rows and sharded_rows
+        #: Whether ``linearize`` computes the K-FAC factors (CG with ``"kfac"``).
+        self.needs_kronecker = bool(getattr(setup.solver, "needs_kronecker", False))
 
     # -- what the batch was set up with, by name ----------------------------------------
     @property
@@ -198,6 +208,7 @@ class ModelProblem:
             "residuals": residuals,
             "dual": dual,
             "dual_scale": dual_scale,
+            "kronecker": self.kronecker(x) if self.needs_kronecker else None,
         }
         if self.reducer.world_size == 1:
             return NormalEquations(count=sums.count, **fields)
@@ -241,6 +252,52 @@ class ModelProblem:
                     sums.jacs.append(group.gather(J))
                     sums.res.append(group.gather(r))
         return sums
+
+    def kronecker(self, x: Tensor) -> KroneckerStats:
+        """The K-FAC factors of the model's ``nn.Linear`` layers at ``x``, all ranks summed.
+
+        One forward per slice with hooks on the layers, one backward per residual
+        component; ``A`` and ``Σ g gᵀ`` are summed over slices and ranks, then G is
+        divided by the global sample count (:mod:`secondorder.lm.kfac_cg`).
+        """
+        group, fn = self.group, self.function
+        layers = kronecker_layers(fn.model, fn.names, fn.numels)
+        wide = torch.float64
+        a_sum = [
+            torch.zeros(layer.index.shape[1], layer.index.shape[1], dtype=x.dtype, device=x.device)
+            for layer in layers
+        ]
+        g_sum = [
+            torch.zeros(layer.index.shape[0], layer.index.shape[0], dtype=x.dtype, device=x.device)
+            for layer in layers
+        ]
+        # Samples seen, slices walked, then the hook calls of each layer.
+        tally = torch.zeros(2 + len(layers), dtype=wide, device=x.device)
+        points = fn.points(x)
+        with fn.frozen():
+            for k, inputs, targets in group.stage(self.slices()):
+                ev = self.replicas[k]
+                params = {name: p.detach().requires_grad_() for name, p in points[k].items()}
+                samples = len(next(iter(_leaves(inputs))))
+                with group.on(k):
+                    a_parts, g_parts, calls = slice_statistics(
+                        ev.model,
+                        layers,
+                        functools.partial(ev.batch, params, inputs, targets),
+                        samples,
+                    )
+                for i in range(len(layers)):
+                    a_sum[i] += group.gather(a_parts[i])
+                    g_sum[i] += group.gather(g_parts[i])
+                tally[0] += samples
+                tally[1] += 1
+                tally[2:] += torch.tensor(calls, dtype=wide, device=x.device)
+        self.reducer.sum_([tally, *a_sum, *g_sum])
+        samples_total = max(float(tally[0]), 1.0)
+        # A layer keeps its factors only if its hook fired once in every forward of
+        # every rank: a shared or skipped layer falls back to the Jacobi diagonal.
+        used = [bool(tally[2 + i] == tally[1]) for i in range(len(layers))]
+        return KroneckerStats(layers, a_sum, [g / samples_total for g in g_sum], used)
 
     def _rows(self, sums: _Sums) -> tuple[Tensor | None, Tensor | None]:
         """J's stored rows and their residuals (every rank's where they must be gathered)."""

@@ -103,8 +103,9 @@ class ShardedCGSolver(CGSolver):
         rtol: float = 1e-6,
         max_iter: int | None = None,
         forcing: float | None = None,
+        preconditioner: str = "jacobi",
     ) -> None:
-        super().__init__(rtol, max_iter, forcing)
+        super().__init__(rtol, max_iter, forcing, preconditioner)
         self.reducer = reducer
 
     def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
@@ -112,7 +113,10 @@ class ShardedCGSolver(CGSolver):
             raise RuntimeError("the cg solver works on the primal form")
         max_iter = self.max_iter if self.max_iter is not None else max(1, system.n)
         # The forcing term is built from summed quantities: every rank stops alike.
-        fact = _ShardedCG(system, d.to(system.grad.dtype), self.tolerance(system), max_iter)
+        d = d.to(system.grad.dtype)
+        # The K-FAC factors were summed over ranks: every rank builds the same M⁻¹.
+        kron = self.kronecker(system, d)
+        fact = _ShardedCG(system, d, self.tolerance(system), max_iter, kronecker=kron)
         fact.reducer = self.reducer
         return fact
 
@@ -156,6 +160,7 @@ class BroadcastSolver(LinearSolver):
         self.name = inner.name
         self.needs_jacobian = inner.needs_jacobian
         self.rows_sharded = bool(getattr(inner, "rows_sharded", False))
+        self.needs_kronecker = bool(getattr(inner, "needs_kronecker", False))
 
     def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
         fact: Factorization | None = None

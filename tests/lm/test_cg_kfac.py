@@ -135,7 +135,7 @@ def test_lm_step_with_kfac_cg_equals_the_cholesky_step(matrix: str) -> None:
     torch.testing.assert_close(_flat(models[1]), _flat(models[0]), rtol=1e-7, atol=1e-9)
 
 
-def test_kfac_needs_fewer_cg_iterations_than_jacobi_on_a_wide_mlp() -> None:
+def test_kfac_needs_fewer_cg_iterations_than_jacobi_under_identity_damping() -> None:
     # Identity damping (Levenberg's): the Kronecker blocks capture the couplings within
     # a layer that a diagonal cannot.  Under Marquardt damping Jacobi matches the
     # diagonal of JᵀJ + λD exactly and wins on small problems such as this one; the

@@ -1,97 +1,62 @@
 """``Shampoo``: the torch.optim.Optimizer that wires the parts together.
 
-Blocking, preconditioner, grafting and distribution live in their own modules; this
-one holds only the order of the stages and torch's optimizer contract.
+Blocking, preconditioner, grafting and distribution live in their own modules, as do
+the blocks' stacked state (:mod:`.blocks`), group handling (:mod:`.groups`), the
+gradient checks (:mod:`.checks`) and state-dict conversion (:mod:`.state`); this one
+holds only the order of the stages and torch's optimizer contract.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..distributed import Reducer, resolve_reducer
-from .blocking import BlockSpec, block_slices, merge_dims
+from .blocks import (
+    Batch,
+    Block,
+    Prepared,
+    bind_batch_state,
+    cut_blocks,
+    group_batches,
+    new_batch_state,
+    prepare_batch,
+)
+from .checks import check_gradients, check_overflow
 from .config import (
     COMMUNICATION_DTYPES,
     EigenConfig,
     GraftingConfig,
     RootInvConfig,
-    config_from_dict,
-    config_to_dict,
     resolved_start,
     validate_group,
 )
-from .distributor import assign_blocks, block_cost, gather_directions
-from .grafting import (
-    grafting_direction,
-    grafting_has_state,
-    update_grafting,
-    update_grafting_out_of_place,
+from .distributor import gather_directions
+from .grafting import grafting_direction, update_grafting
+from .groups import (
+    STRUCTURAL,
+    block_name,
+    check_float_params,
+    factored_layout,
+    make_preconditioner,
+    normalize_group,
+    structure,
 )
-from .preconditioner import (
-    EigenvalueCorrectedPreconditioner,
-    Preconditioner,
-    RootInversePreconditioner,
+from .preconditioner import Preconditioner
+from .state import (
+    check_saved_rank,
+    configs_to_dicts,
+    ensure_int64_steps,
+    restored_state,
+    validated_groups,
 )
-from .root_inverse import finite_per_matrix
 
 __all__ = ["Shampoo"]
-
-_STRUCTURAL = ("max_preconditioner_dim", "preconditioner", "factor_dtype")
-
-
-@dataclass
-class _Block:
-    param: Tensor
-    group_index: int
-    param_index: int
-    merged: tuple[int, ...]
-    spec: BlockSpec
-    gid: int
-    owner: int
-    name: str
-
-    def view(self, t: Tensor) -> Tensor:
-        return t.view(self.merged)[self.spec.slices()]
-
-
-@dataclass
-class _Batch:
-    """The owned blocks of one shape (one parameter group, dtype and device), stacked."""
-
-    group_index: int
-    shape: tuple[int, ...]
-    blocks: list[_Block]
-    state: dict[str, Tensor] = field(default_factory=dict)
-    factored: tuple[bool, ...] = ()
-
-
-@dataclass
-class _Prepared:
-    """One batch's blocks with a gradient: their state (a copy if not all), G and W."""
-
-    blocks: list[_Block]
-    index: Tensor | None
-    state: dict[str, Tensor]
-    G: Tensor
-    W: Tensor | None
-
-
-def _structure(group: dict[str, Any]) -> tuple[Any, ...]:
-    """What fixes the layout of the state: changing it after the first step is an error."""
-    return (
-        *(group[k] for k in _STRUCTURAL),
-        group["betas"][0] != 0.0,
-        group["momentum"] != 0.0,
-        grafting_has_state(group["grafting_config"]),
-    )
 
 
 class Shampoo(torch.optim.Optimizer):
@@ -222,8 +187,8 @@ class Shampoo(torch.optim.Optimizer):
             ),
         }
         self._built = False
-        self._batches: list[_Batch] = []
-        self._blocks: list[_Block] = []
+        self._batches: list[Batch] = []
+        self._blocks: list[Block] = []
         self._structures: list[tuple[Any, ...]] = []
         super().__init__(params, defaults)
         self.reducer = resolve_reducer(reducer, process_group)
@@ -242,75 +207,27 @@ class Shampoo(torch.optim.Optimizer):
         probe = {**self.defaults, **param_group}
         self._normalize(probe)
         validate_group(probe)
-        for q in params:
-            q = q[1] if isinstance(q, tuple) else q  # (name, parameter) pairs
-            if isinstance(q, Tensor) and not q.is_floating_point():
-                raise TypeError(
-                    f"Shampoo optimizes floating-point parameters; got one of dtype {q.dtype} "
-                    f"and shape {tuple(q.shape)}"
-                )
+        check_float_params(params)
         super().add_param_group(param_group)
         self._normalize(self.param_groups[-1])
         self._built = False
 
     @staticmethod
     def _normalize(group: dict[str, Any]) -> None:
-        if isinstance(group["betas"], list):
-            group["betas"] = tuple(group["betas"])
-        group["grafting_config"] = config_from_dict(group["grafting_config"])
-        group["root_inv_config"] = config_from_dict(group["root_inv_config"])
+        normalize_group(group)
 
     def _block_name(self, group_index: int, param_index: int, p: Tensor) -> str:
-        names = self.param_groups[group_index].get("param_names")
-        if names is not None:
-            return f"parameter {names[param_index]!r} (shape {tuple(p.shape)})"
-        return (
-            f"parameter param_groups[{group_index}]['params'][{param_index}] "
-            f"(shape {tuple(p.shape)})"
-        )
+        return block_name(self.param_groups, group_index, param_index, p)
 
     def _preconditioner(
         self, group: dict[str, Any], shape: tuple[int, ...], factored: tuple[bool, ...] = ()
     ) -> Preconditioner:
-        cls = (
-            RootInversePreconditioner
-            if group["preconditioner"] == "root_inverse"
-            else EigenvalueCorrectedPreconditioner
-        )
-        return cls(
-            shape=shape,
-            beta2=float(group["betas"][1]),
-            epsilon=float(group["epsilon"]),
-            use_bias_correction=group["use_bias_correction"],
-            root_inv_config=group["root_inv_config"],
-            factored=factored,
-        )
+        return make_preconditioner(group, shape, factored)
 
-    def _factored(self, group: dict[str, Any], batch: _Batch) -> tuple[bool, ...]:
-        """Which factors keep their root as ``D`` (root ``DᵀD``): see ``preconditioner``.
-
-        Factored when ``precondition_frequency · m < d`` (``m`` = block size / ``d``) and
-        the roots come from eigh.  A saved state's layout wins, so a state dict loads
-        whatever the frequency is now; the layout never changes the math.
-        """
-        shape = batch.shape
-        if group["preconditioner"] != "root_inverse":
-            return tuple(False for _ in shape)
+    def _factored(self, group: dict[str, Any], batch: Batch) -> tuple[bool, ...]:
+        """Which factors keep their root as ``D`` (see :func:`.groups.factored_layout`)."""
         saved = self.state.get(batch.blocks[0].param, {})
-        index = batch.blocks[0].spec.index
-        out = []
-        for k, d in enumerate(shape):
-            if f"block{index}.root_factor{k}" in saved:
-                out.append(True)
-            elif f"block{index}.root{k}" in saved:
-                out.append(False)
-            else:
-                m = math.prod(shape) // d
-                out.append(
-                    isinstance(group["root_inv_config"], EigenConfig)
-                    and group["precondition_frequency"] * m < d
-                )
-        return tuple(out)
+        return factored_layout(group, batch.shape, batch.blocks[0].spec.index, saved)
 
     # -- building the blocks and the stacked state ----------------------------------------
     def _build(self) -> None:
@@ -319,20 +236,7 @@ class Shampoo(torch.optim.Optimizer):
         Per-parameter state (torch's schema) holds views into the stacked buffers, so
         ``state_dict`` sees every block while each stage runs as one batched call.
         """
-        world = self.reducer.world_size
-        blocks: list[_Block] = []
-        for gi, group in enumerate(self.param_groups):
-            mpd = group["max_preconditioner_dim"]
-            for pi, p in enumerate(group["params"]):
-                if p.numel() == 0:
-                    continue
-                merged = merge_dims(p.shape, mpd)
-                name = self._block_name(gi, pi, p)
-                for spec in block_slices(merged, mpd):
-                    blocks.append(_Block(p, gi, pi, merged, spec, len(blocks), 0, name))
-        owners = assign_blocks([block_cost(b.spec.shape) for b in blocks], world)
-        for b, r in zip(blocks, owners, strict=True):
-            b.owner = r
+        blocks = cut_blocks(self.param_groups, self.reducer.world_size)
         self.reducer.check_agree(
             {
                 "blocks": [(b.group_index, b.param_index, b.spec.shape) for b in blocks],
@@ -344,94 +248,25 @@ class Shampoo(torch.optim.Optimizer):
             },
             "Shampoo configuration",
         )
-        by_key: dict[tuple[Any, ...], _Batch] = {}
-        for b in blocks:
-            if b.owner != self.reducer.rank:
-                continue
-            key = (b.group_index, b.spec.shape, b.param.dtype, b.param.device)
-            if key not in by_key:
-                by_key[key] = _Batch(b.group_index, b.spec.shape, [])
-            by_key[key].blocks.append(b)
-        for batch in by_key.values():
+        batches = group_batches(blocks, self.reducer.rank)
+        for batch in batches:
             group = self.param_groups[batch.group_index]
             p0 = batch.blocks[0].param
             fdtype = group["factor_dtype"] or p0.dtype
-            B = len(batch.blocks)
             batch.factored = self._factored(group, batch)
             pre = self._preconditioner(group, batch.shape, batch.factored)
-            state = pre.init_state(B, fdtype, p0.device)
-            elementwise = (
-                ("filtered_grad", group["betas"][0] != 0.0),
-                ("grafting_state", grafting_has_state(group["grafting_config"])),
-                ("momentum_buffer", group["momentum"] != 0.0),
-            )
-            for name, wanted in elementwise:
-                if wanted:
-                    state[name] = torch.zeros(B, *batch.shape, dtype=p0.dtype, device=p0.device)
-            batch.state = state
-            for i, b in enumerate(batch.blocks):
-                pstate = self.state[b.param]
-                for state_key, buf in state.items():
-                    entry = f"block{b.spec.index}.{state_key}"
-                    if entry in pstate:
-                        saved = pstate[entry]
-                        if saved.shape != buf[i].shape:
-                            raise ValueError(
-                                f"the saved state {entry!r} of {b.name} has shape "
-                                f"{tuple(saved.shape)}, expected {tuple(buf[i].shape)}: it was "
-                                "saved with other max_preconditioner_dim or parameters"
-                            )
-                        buf[i].copy_(saved)
-                    pstate[entry] = buf[i]
-        for group in self.param_groups:
-            for p in group["params"]:
-                # An int64 count: a float32 one stops at 2²⁴ (2²⁴ + 1 rounds back), and the
-                # roots would then never refresh again.  Older state dicts saved a float
-                # counter, exact below 2²⁴: converted here.
-                step = self.state[p].get("step")
-                if step is None or step.dtype != torch.int64:
-                    count = 0 if step is None else int(step.item())
-                    self.state[p]["step"] = torch.tensor(count, dtype=torch.int64)
+            state = pre.init_state(len(batch.blocks), fdtype, p0.device)
+            batch.state = new_batch_state(group, batch, state)
+            bind_batch_state(batch, self.state)
+        ensure_int64_steps(self.param_groups, self.state)
         self._blocks = blocks
-        self._batches = list(by_key.values())
-        self._structures = [_structure(g) for g in self.param_groups]
+        self._batches = batches
+        self._structures = [structure(g) for g in self.param_groups]
         self._built = True
 
     # -- the step ---------------------------------------------------------------------
     def _check_gradients(self) -> None:
-        grads = [
-            (gi, pi, p)
-            for gi, g in enumerate(self.param_groups)
-            for pi, p in enumerate(g["params"])
-            if p.grad is not None
-        ]
-        if not grads:
-            return
-        for _, _, p in grads:
-            if p.grad is not None and p.grad.is_sparse:
-                raise TypeError("Shampoo does not support sparse gradients; densify them first")
-        # amax/amin propagate NaN and expose ±Inf: two fast reductions per gradient
-        # instead of isfinite's elementwise passes (see finite_per_matrix).
-        finite = torch.stack(
-            [
-                finite_per_matrix(p.grad.reshape(1, -1)).squeeze(0)
-                if p.grad.numel()
-                else torch.tensor(True, device=p.grad.device)
-                for _, _, p in grads
-                if p.grad is not None
-            ]
-        )
-        if bool(finite.all()):
-            return
-        bad = [
-            self._block_name(gi, pi, p)
-            for (gi, pi, p), ok in zip(grads, finite.tolist(), strict=True)
-            if not ok
-        ]
-        raise FloatingPointError(
-            f"non-finite gradient (NaN or Inf) in {', '.join(bad)}; no state was changed. "
-            "Skip this batch, lower the learning rate, or use gradient clipping or loss scaling."
-        )
+        check_gradients(self.param_groups)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -446,9 +281,9 @@ class Shampoo(torch.optim.Optimizer):
         if not self._built:
             self._build()
         for gi, group in enumerate(self.param_groups):
-            if _structure(group) != self._structures[gi]:
+            if structure(group) != self._structures[gi]:
                 raise ValueError(
-                    f"param_groups[{gi}] changed one of {_STRUCTURAL} (or switched β₁, "
+                    f"param_groups[{gi}] changed one of {STRUCTURAL} (or switched β₁, "
                     "momentum or the grafting state on or off) after the optimizer state was "
                     "built; these fix the shape of the state. Build a new Shampoo instead."
                 )
@@ -472,81 +307,16 @@ class Shampoo(torch.optim.Optimizer):
                 self.state[p]["step"].fill_(t)
         return loss
 
-    def _prepare(self, batch: _Batch) -> _Prepared | None:
+    def _prepare(self, batch: Batch) -> Prepared | None:
         """The stacked gradients (L2 decay added) and state of the blocks with a gradient."""
-        group = self.param_groups[batch.group_index]
-        active = [i for i, b in enumerate(batch.blocks) if b.param.grad is not None]
-        if not active:
-            return None
-        index = None
-        if len(active) == len(batch.blocks):
-            S = batch.state
-        else:
-            index = torch.tensor(active, device=batch.blocks[0].param.device)
-            S = {k: v.index_select(0, index) for k, v in batch.state.items()}
-        blocks = [batch.blocks[i] for i in active]
-        G = torch.stack([b.view(cast(Tensor, b.param.grad)) for b in blocks])
-        wd = float(group["weight_decay"])
-        W = torch.stack([b.view(b.param) for b in blocks]) if wd != 0.0 else None
-        if W is not None and not group["use_decoupled_weight_decay"]:
-            G.add_(W, alpha=wd)
-        return _Prepared(blocks, index, S, G, W)
+        return prepare_batch(self.param_groups[batch.group_index], batch)
 
-    def _check_overflow(self, prepared: list[tuple[_Batch, _Prepared]]) -> None:
-        """Refuse, before any state changes, a finite gradient that would overflow the state.
-
-        Every factor is positive semi-definite, so its largest entry is on the diagonal,
-        ``β₂F_ii + α‖G₍ₖ₎ row i‖²``: computed in float64 from the diagonal and the
-        gradient, it tells exactly whether ``F`` would overflow without forming it (and
-        ``GGᵀ`` before the ``α`` scaling must fit as well).  The
-        grafting state is checked entrywise the same way (``g²`` included) and the
-        eigenvalue-corrected second moment by ``β₂ max E + α‖G‖²`` (no rotation makes an
-        entry larger).  A
-        state entry may reach half the dtype's largest value, leaving room for rounding.
-        """
-        bad_names: list[str] = []
-        for batch, prep in prepared:
-            group = self.param_groups[batch.group_index]
-            S, G = prep.state, prep.G
-            beta2 = float(group["betas"][1])
-            alpha = 1.0 if beta2 == 1.0 else 1.0 - beta2
-            sq = G.to(torch.float64).square()
-            B = sq.shape[0]
-            fmax = torch.finfo(S["factor0"].dtype).max / 2
-            peaks = []
-            for k, d in enumerate(batch.shape):
-                rows = sq.movedim(k + 1, 1).reshape(B, d, -1).sum(-1)
-                diag = S[f"factor{k}"].diagonal(dim1=-2, dim2=-1).to(torch.float64)
-                # baddbmm forms GGᵀ before scaling it by α: that product must fit too.
-                peaks.append(torch.maximum(beta2 * diag + alpha * rows, rows).amax(-1) / fmax)
-            if "corrected_eigenvalues" in S:
-                E = S["corrected_eigenvalues"].reshape(B, -1).amax(-1).to(torch.float64)
-                norm2 = sq.reshape(B, -1).sum(-1)
-                peaks.append(torch.maximum(beta2 * E + alpha * norm2, norm2) / fmax)
-            v = S.get("grafting_state")
-            if v is not None:
-                new_v = update_grafting_out_of_place(
-                    group["grafting_config"], v.to(torch.float64), sq
-                )
-                vmax = torch.finfo(v.dtype).max / 2
-                peaks.append(torch.maximum(new_v, sq).reshape(B, -1).amax(-1) / vmax)
-            # NaN (from inf − inf) compares False: "not <= 1" catches it too.
-            over = ~(torch.stack(peaks).amax(0) <= 1.0)
-            if bool(over.any()):
-                bad_names.extend(
-                    sorted({prep.blocks[i].name for i in over.nonzero().flatten().tolist()})
-                )
-        if bad_names:
-            raise FloatingPointError(
-                f"the gradient of {', '.join(bad_names)} is finite but would overflow "
-                "Shampoo's factors or grafting state (an entry above half the largest finite "
-                "value of their dtype); no state was changed. Skip this batch, lower the "
-                "learning rate, clip or rescale the gradients, or use "
-                "factor_dtype=torch.float64."
-            )
+    def _check_overflow(self, prepared: list[tuple[Batch, Prepared]]) -> None:
+        """Refuse a finite gradient that would overflow the state (see :mod:`.checks`)."""
+        check_overflow(self.param_groups, prepared)
 
     def _step_batch(
-        self, batch: _Batch, prep: _Prepared, t: int, directions: dict[int, Tensor]
+        self, batch: Batch, prep: Prepared, t: int, directions: dict[int, Tensor]
     ) -> None:
         group = self.param_groups[batch.group_index]
         blocks, index, S, G, W = prep.blocks, prep.index, prep.state, prep.G, prep.W
@@ -604,7 +374,7 @@ class Shampoo(torch.optim.Optimizer):
         pre: Preconditioner,
         S: dict[str, Tensor],
         t: int,
-        blocks: list[_Block],
+        blocks: list[Block],
         group: dict[str, Any],
     ) -> None:
         failed = pre.amortize(S, t)
@@ -664,36 +434,16 @@ class Shampoo(torch.optim.Optimizer):
         """
         if not self._built:
             self._build()
-        sd = super().state_dict()
-        for g in sd["param_groups"]:
-            g["grafting_config"] = config_to_dict(g["grafting_config"])
-            g["root_inv_config"] = config_to_dict(g["root_inv_config"])
-        sd["shampoo"] = {
-            "rank": self.reducer.rank,
-            "world_size": self.reducer.world_size,
-        }
-        return sd
+        return configs_to_dicts(super().state_dict(), self.reducer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`, bit for bit (no dtype casts of the factors)."""
-        meta = state_dict.get("shampoo", {"rank": 0, "world_size": 1})
-        here = {"rank": self.reducer.rank, "world_size": self.reducer.world_size}
-        if meta != here:
-            raise ValueError(
-                f"this state dict was saved by rank {meta['rank']} of {meta['world_size']}, "
-                f"but this optimizer is rank {here['rank']} of {here['world_size']}: load "
-                "each rank's own file into a run with the same world size."
-            )
+        check_saved_rank(state_dict, self.reducer)
         # All or nothing: the groups are checked before anything changes; a saved state
         # that does not fit the blocks is found only by building them, so the previous
         # groups, state and blocks are put back if that fails.
         saved_groups = state_dict["param_groups"]
-        groups = [dict(g) for g in saved_groups]
-        for g in groups:
-            g["grafting_config"] = config_from_dict(g.get("grafting_config"))
-            g["root_inv_config"] = config_from_dict(g.get("root_inv_config"))
-            self._normalize(g)
-            validate_group(g)
+        groups = validated_groups(saved_groups)
         previous = (
             self.param_groups,
             self.state,
@@ -703,18 +453,10 @@ class Shampoo(torch.optim.Optimizer):
             self._structures,
         )
         try:
-            # Torch's loader would cast floating state to the parameter's dtype (a float64
-            # factor of a float32 parameter would lose bits), so the state is restored here.
+            # Torch's loader would cast floating state to the parameter's dtype, so only
+            # the groups go through it and the state is restored by restored_state.
             super().load_state_dict({"state": {}, "param_groups": groups})
-            id_to_param = {
-                pid: p
-                for sg, g in zip(saved_groups, self.param_groups, strict=True)
-                for pid, p in zip(sg["params"], g["params"], strict=True)
-            }
-            self.state = defaultdict(dict)
-            for pid, pstate in state_dict["state"].items():
-                p = id_to_param[pid]
-                self.state[p] = {k: v.detach().clone().to(p.device) for k, v in pstate.items()}
+            self.state = restored_state(state_dict, saved_groups, self.param_groups)
             for group in self.param_groups:
                 self._normalize(group)
             self._built = False

@@ -1,0 +1,161 @@
+"""The blocks of :class:`~secondorder.shampoo.Shampoo` and their stacked state.
+
+Parameters are cut into :class:`Block` s, the blocks a rank owns are grouped by shape
+into :class:`Batch` es whose state is stacked, and per-parameter state (torch's schema)
+holds views into those stacks, so ``state_dict`` sees every block while each stage
+runs as one batched call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from .blocking import BlockSpec, block_slices, merge_dims
+from .distributor import assign_blocks, block_cost
+from .grafting import grafting_has_state
+from .groups import block_name
+
+__all__ = [
+    "Batch",
+    "Block",
+    "Prepared",
+    "bind_batch_state",
+    "cut_blocks",
+    "group_batches",
+    "new_batch_state",
+    "prepare_batch",
+]
+
+
+@dataclass
+class Block:
+    """One block of one parameter: where it lies, which rank owns it, its name in errors."""
+
+    param: Tensor
+    group_index: int
+    param_index: int
+    merged: tuple[int, ...]
+    spec: BlockSpec
+    gid: int
+    owner: int
+    name: str
+
+    def view(self, t: Tensor) -> Tensor:
+        """The block's part of ``t`` (a tensor of the parameter's shape), as a view."""
+        return t.view(self.merged)[self.spec.slices()]
+
+
+@dataclass
+class Batch:
+    """The owned blocks of one shape (one parameter group, dtype and device), stacked."""
+
+    group_index: int
+    shape: tuple[int, ...]
+    blocks: list[Block]
+    state: dict[str, Tensor] = field(default_factory=dict)
+    factored: tuple[bool, ...] = ()
+
+
+@dataclass
+class Prepared:
+    """One batch's blocks with a gradient: their state (a copy if not all), G and W."""
+
+    blocks: list[Block]
+    index: Tensor | None
+    state: dict[str, Tensor]
+    G: Tensor
+    W: Tensor | None
+
+
+def cut_blocks(param_groups: list[dict[str, Any]], world: int) -> list[Block]:
+    """Every non-empty parameter's blocks, in group and parameter order, with owners."""
+    blocks: list[Block] = []
+    for gi, group in enumerate(param_groups):
+        mpd = group["max_preconditioner_dim"]
+        for pi, p in enumerate(group["params"]):
+            if p.numel() == 0:
+                continue
+            merged = merge_dims(p.shape, mpd)
+            name = block_name(param_groups, gi, pi, p)
+            for spec in block_slices(merged, mpd):
+                blocks.append(Block(p, gi, pi, merged, spec, len(blocks), 0, name))
+    owners = assign_blocks([block_cost(b.spec.shape) for b in blocks], world)
+    for b, r in zip(blocks, owners, strict=True):
+        b.owner = r
+    return blocks
+
+
+def group_batches(blocks: list[Block], rank: int) -> list[Batch]:
+    """The blocks ``rank`` owns, one batch per (group, block shape, dtype, device)."""
+    by_key: dict[tuple[Any, ...], Batch] = {}
+    for b in blocks:
+        if b.owner != rank:
+            continue
+        key = (b.group_index, b.spec.shape, b.param.dtype, b.param.device)
+        if key not in by_key:
+            by_key[key] = Batch(b.group_index, b.spec.shape, [])
+        by_key[key].blocks.append(b)
+    return list(by_key.values())
+
+
+def new_batch_state(
+    group: dict[str, Any], batch: Batch, state: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """Add the zeroed elementwise buffers the group uses to the preconditioner's ``state``."""
+    p0 = batch.blocks[0].param
+    B = len(batch.blocks)
+    elementwise = (
+        ("filtered_grad", group["betas"][0] != 0.0),
+        ("grafting_state", grafting_has_state(group["grafting_config"])),
+        ("momentum_buffer", group["momentum"] != 0.0),
+    )
+    for name, wanted in elementwise:
+        if wanted:
+            state[name] = torch.zeros(B, *batch.shape, dtype=p0.dtype, device=p0.device)
+    return state
+
+
+def bind_batch_state(batch: Batch, opt_state: Any) -> None:
+    """Copy saved per-parameter entries into ``batch.state``, then point them at it.
+
+    ``opt_state`` is the optimizer's per-parameter state; a saved entry whose shape
+    does not fit the block is refused with the entry and parameter named.
+    """
+    for i, b in enumerate(batch.blocks):
+        pstate = opt_state[b.param]
+        for state_key, buf in batch.state.items():
+            entry = f"block{b.spec.index}.{state_key}"
+            if entry in pstate:
+                saved = pstate[entry]
+                if saved.shape != buf[i].shape:
+                    raise ValueError(
+                        f"the saved state {entry!r} of {b.name} has shape "
+                        f"{tuple(saved.shape)}, expected {tuple(buf[i].shape)}: it was "
+                        "saved with other max_preconditioner_dim or parameters"
+                    )
+                buf[i].copy_(saved)
+            pstate[entry] = buf[i]
+
+
+def prepare_batch(group: dict[str, Any], batch: Batch) -> Prepared | None:
+    """The stacked gradients (L2 decay added) and state of the blocks with a gradient."""
+    active = [i for i, b in enumerate(batch.blocks) if b.param.grad is not None]
+    if not active:
+        return None
+    index = None
+    if len(active) == len(batch.blocks):
+        S = batch.state
+    else:
+        index = torch.tensor(active, device=batch.blocks[0].param.device)
+        S = {k: v.index_select(0, index) for k, v in batch.state.items()}
+    blocks = [batch.blocks[i] for i in active]
+    G = torch.stack([b.view(cast(Tensor, b.param.grad)) for b in blocks])
+    wd = float(group["weight_decay"])
+    W = torch.stack([b.view(b.param) for b in blocks]) if wd != 0.0 else None
+    if W is not None and not group["use_decoupled_weight_decay"]:
+        G.add_(W, alpha=wd)
+    return Prepared(blocks, index, S, G, W)

@@ -1,0 +1,109 @@
+"""Gradient checks of :class:`~secondorder.shampoo.Shampoo`, run before any state changes.
+
+A non-finite gradient, or a finite one that would overflow the factors or the
+grafting state, raises ``FloatingPointError`` naming the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .blocks import Batch, Prepared
+from .grafting import update_grafting_out_of_place
+from .groups import block_name
+from .root_inverse import finite_per_matrix
+
+__all__ = ["check_gradients", "check_overflow"]
+
+
+def check_gradients(param_groups: list[dict[str, Any]]) -> None:
+    """Refuse sparse gradients and non-finite ones (NaN or ±Inf), naming the parameters."""
+    grads = [
+        (gi, pi, p)
+        for gi, g in enumerate(param_groups)
+        for pi, p in enumerate(g["params"])
+        if p.grad is not None
+    ]
+    if not grads:
+        return
+    for _, _, p in grads:
+        if p.grad is not None and p.grad.is_sparse:
+            raise TypeError("Shampoo does not support sparse gradients; densify them first")
+    # amax/amin propagate NaN and expose ±Inf: two fast reductions per gradient
+    # instead of isfinite's elementwise passes (see finite_per_matrix).
+    finite = torch.stack(
+        [
+            finite_per_matrix(p.grad.reshape(1, -1)).squeeze(0)
+            if p.grad.numel()
+            else torch.tensor(True, device=p.grad.device)
+            for _, _, p in grads
+            if p.grad is not None
+        ]
+    )
+    if bool(finite.all()):
+        return
+    bad = [
+        block_name(param_groups, gi, pi, p)
+        for (gi, pi, p), ok in zip(grads, finite.tolist(), strict=True)
+        if not ok
+    ]
+    raise FloatingPointError(
+        f"non-finite gradient (NaN or Inf) in {', '.join(bad)}; no state was changed. "
+        "Skip this batch, lower the learning rate, or use gradient clipping or loss scaling."
+    )
+
+
+def check_overflow(
+    param_groups: list[dict[str, Any]], prepared: list[tuple[Batch, Prepared]]
+) -> None:
+    """Refuse, before any state changes, a finite gradient that would overflow the state.
+
+    Every factor is positive semi-definite, so its largest entry is on the diagonal,
+    ``β₂F_ii + α‖G₍ₖ₎ row i‖²``: computed in float64 from the diagonal and the
+    gradient, it tells exactly whether ``F`` would overflow without forming it (and
+    ``GGᵀ`` before the ``α`` scaling must fit as well).  The
+    grafting state is checked entrywise the same way (``g²`` included) and the
+    eigenvalue-corrected second moment by ``β₂ max E + α‖G‖²`` (no rotation makes an
+    entry larger).  A
+    state entry may reach half the dtype's largest value, leaving room for rounding.
+    """
+    bad_names: list[str] = []
+    for batch, prep in prepared:
+        group = param_groups[batch.group_index]
+        S, G = prep.state, prep.G
+        beta2 = float(group["betas"][1])
+        alpha = 1.0 if beta2 == 1.0 else 1.0 - beta2
+        sq = G.to(torch.float64).square()
+        B = sq.shape[0]
+        fmax = torch.finfo(S["factor0"].dtype).max / 2
+        peaks = []
+        for k, d in enumerate(batch.shape):
+            rows = sq.movedim(k + 1, 1).reshape(B, d, -1).sum(-1)
+            diag = S[f"factor{k}"].diagonal(dim1=-2, dim2=-1).to(torch.float64)
+            # baddbmm forms GGᵀ before scaling it by α: that product must fit too.
+            peaks.append(torch.maximum(beta2 * diag + alpha * rows, rows).amax(-1) / fmax)
+        if "corrected_eigenvalues" in S:
+            E = S["corrected_eigenvalues"].reshape(B, -1).amax(-1).to(torch.float64)
+            norm2 = sq.reshape(B, -1).sum(-1)
+            peaks.append(torch.maximum(beta2 * E + alpha * norm2, norm2) / fmax)
+        v = S.get("grafting_state")
+        if v is not None:
+            new_v = update_grafting_out_of_place(group["grafting_config"], v.to(torch.float64), sq)
+            vmax = torch.finfo(v.dtype).max / 2
+            peaks.append(torch.maximum(new_v, sq).reshape(B, -1).amax(-1) / vmax)
+        # NaN (from inf − inf) compares False: "not <= 1" catches it too.
+        over = ~(torch.stack(peaks).amax(0) <= 1.0)
+        if bool(over.any()):
+            bad_names.extend(
+                sorted({prep.blocks[i].name for i in over.nonzero().flatten().tolist()})
+            )
+    if bad_names:
+        raise FloatingPointError(
+            f"the gradient of {', '.join(bad_names)} is finite but would overflow "
+            "Shampoo's factors or grafting state (an entry above half the largest finite "
+            "value of their dtype); no state was changed. Skip this batch, lower the "
+            "learning rate, clip or rescale the gradients, or use "
+            "factor_dtype=torch.float64."
+        )

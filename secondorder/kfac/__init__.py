@@ -10,8 +10,9 @@ from __future__ import annotations
 from .assignment import WorkAssignment, assign_work
 from .config import KFACConfig
 from .damping import LMDampingRule
+from .discovery import SUPPORTED_MODULES
 from .optimizer import KFACOptimizer
-from .preconditioner import KFAC, SUPPORTED_MODULES
+from .preconditioner import KFAC
 
 __all__ = [
     "KFAC",

@@ -14,7 +14,7 @@ from torch import nn
 from secondorder.kfac import KFAC
 from secondorder.kfac.layers import conv_patch_rows, conv_patches
 from secondorder.kfac.layers.base import spd_cholesky, spd_inverse
-from secondorder.kfac.preconditioner import _all_finite
+from secondorder.kfac.packing import all_finite as _all_finite
 
 DT = torch.float64
 

@@ -196,7 +196,8 @@ class KFACLayer:
         return f"{type(self).__name__}({self.name!r}, A={tuple(a)}, G={tuple(g)})"
 
 
-def _sym_eigh(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def sym_eigh(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of the PSD factor ``m`` in ``dtype``."""
     d, q = torch.linalg.eigh(m.to(dtype))
     # A and G are PSD; rounding can make the smallest eigenvalues slightly negative,
     # which would let d_G d_A + λ approach 0.
@@ -399,8 +400,8 @@ class KroneckerLayer(KFACLayer):
         if self.A is None or self.G is None:
             self.A, self.G = self.identity_factors()
         if method == "eigen":
-            dA, QA = _sym_eigh(self.A, dtype)
-            dG, QG = _sym_eigh(self.G, dtype)
+            dA, QA = sym_eigh(self.A, dtype)
+            dG, QG = sym_eigh(self.G, dtype)
             self.inv = {"QA": QA, "dA": dA, "QG": QG, "dG": dG}
         else:
             self.inv = {}

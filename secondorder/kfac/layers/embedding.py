@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import KFACLayer, _sym_eigh, spd_inverse
+from .base import KFACLayer, spd_inverse, sym_eigh
 
 __all__ = ["EmbeddingLayer"]
 
@@ -89,7 +89,7 @@ class EmbeddingLayer(KFACLayer):
         if self.A is None or self.G is None:
             self.A, self.G = self.identity_factors()
         if method == "eigen":
-            dG, QG = _sym_eigh(self.G, dtype)
+            dG, QG = sym_eigh(self.G, dtype)
             self.inv = {"dA": self.A.to(dtype).clamp(min=0.0), "QG": QG, "dG": dG}
         else:
             eye = torch.eye(self.dim, dtype=dtype, device=self.device)

@@ -1,0 +1,156 @@
+"""The forward and backward hooks that gather K-FAC's factor statistics.
+
+A forward hook on each layer adds its input to A and puts a tensor hook on its output,
+which adds the output gradient to G; a forward pre-hook on the model counts its calls,
+so a layer called several times in one call (weight sharing) counts its samples once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .config import KFACConfig
+from .layers import KFACLayer
+
+__all__ = ["StatsCapture", "check_calls", "in_functorch_transform"]
+
+
+def in_functorch_transform() -> bool:
+    """Whether the caller runs inside a ``torch.func`` transform (vmap, grad, jacrev)."""
+    # torch.func exposes no public "am I inside a transform" test; the interpreter
+    # stack is empty outside every vmap/grad/jacrev
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+class StatsCapture:
+    """Hooks on a model that feed each layer's ``add_a``/``add_g`` during training passes.
+
+    Args:
+        config: read for ``loss_reduction`` and ``accumulation_steps`` (G's scale).
+        grad_scale: returns the current loss scale, divided out of G.
+    """
+
+    def __init__(self, config: KFACConfig, grad_scale: Callable[[], float]) -> None:
+        self.config = config
+        self.grad_scale = grad_scale
+        #: whether this step's forwards enter the factors (a factor update is due).
+        self.capturing = True
+        #: calls of the model so far, and the call in which each layer last ran.
+        self.passes = 0
+        self.layer_pass: dict[str, int] = {}
+        self.handles: list[RemovableHandle] = []
+
+    def attach(self, model: nn.Module, layers: dict[str, KFACLayer]) -> None:
+        """Register the model's pre-hook and every layer's forward hook."""
+        self.handles = [model.register_forward_pre_hook(self._new_pass)]
+        self.handles += [
+            layer.module.register_forward_hook(self._forward_hook(layer))
+            for layer in layers.values()
+        ]
+
+    def remove(self) -> None:
+        """Remove every hook this object registered."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def end_step(self) -> None:
+        """Forget which pass each layer last ran in (the next step starts afresh)."""
+        self.layer_pass.clear()
+
+    def _new_pass(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        # One call of the model is one pass over its batch: a layer called several
+        # times in it (weight sharing) sees the same samples at more positions.
+        if not in_functorch_transform():
+            self.passes += 1
+
+    def _forward_hook(self, layer: KFACLayer) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            # evaluation (eval mode or no_grad) must not leak into the factors
+            if not self.capturing or not module.training or not torch.is_grad_enabled():
+                return
+            # torch.func transforms (vmap, grad, jacrev) run the model on wrapped tensors
+            # that must not outlive the transform: such a call is not a training step
+            if in_functorch_transform():
+                return
+            x = inputs[0]
+            # a call starts a new pass when the model was called again, or when every
+            # earlier call of this layer was backpropagated (the model's submodules
+            # called directly, micro-batch after micro-batch); samples are counted once
+            # per pass, so repeated calls within a pass are extra positions, not samples
+            new = (
+                self.layer_pass.get(layer.name) != self.passes
+                or layer.forward_calls == layer.backward_calls
+            )
+            self.layer_pass[layer.name] = self.passes
+            mask = layer.position_mask(x)
+            with torch.no_grad():
+                layer.add_a(x)
+            if isinstance(output, Tensor) and output.requires_grad:
+                batch = output.shape[0]
+                samples = batch if new else 0
+                # A tensor hook on the output, not a module backward hook: it survives an
+                # in-place activation applied to the output afterwards (it receives the
+                # gradient with respect to the value before the in-place op).
+                output.register_hook(lambda go: self._backward(layer, go, batch, samples, mask))
+
+        return hook
+
+    def _backward(
+        self,
+        layer: KFACLayer,
+        grad_output: Tensor,
+        batch: int,
+        samples: int,
+        mask: Tensor | None,
+    ) -> None:
+        if self.config.loss_reduction == "mean":
+            scale = float(batch * self.config.accumulation_steps)
+        else:
+            scale = 1.0
+        with torch.no_grad():
+            if mask is not None:
+                # positions that do not reach the weight (Embedding padding) add nothing to G
+                grad_output = grad_output * mask.unsqueeze(-1).to(grad_output.dtype)
+            layer.add_g(grad_output, scale / self.grad_scale(), samples)
+
+
+def check_calls(name: str, layer: KFACLayer) -> None:
+    """Raise if ``layer``'s forward and backward calls since the last step do not pair up."""
+    f, b = layer.forward_calls, layer.backward_calls
+    where = f"K-FAC layer {name!r} ({layer.kind})"
+    if f == 0 and not layer.module.training:
+        raise RuntimeError(
+            f"{where} has a gradient but is in eval mode, so K-FAC gathered no statistics "
+            "for it (eval-mode forwards are left out of the factors on purpose): call "
+            "model.train() before the training forward, and model.eval() only for "
+            f"evaluation. To keep its plain gradient, pass skip_layers=[{name!r}]."
+        )
+    if f == 0:
+        raise RuntimeError(
+            f"{where} has a gradient but its forward hook did not fire since the last "
+            "step: the model uses its weight without calling the module (functional use, "
+            "as nn.MultiheadAttention does with out_proj), or called it under "
+            "torch.no_grad() or inside a torch.func transform. Pass "
+            f"skip_layers=[{name!r}] to keep its plain gradient."
+        )
+    if b == 0:
+        raise RuntimeError(
+            f"{where} has a gradient and ran forward {f} time(s) since the last step, but "
+            "no gradient reached its output: its output was detached or not used in the "
+            "loss. To freeze the layer, set requires_grad=False on its parameters; to keep "
+            f"its plain gradient, pass skip_layers=[{name!r}]."
+        )
+    if f != b:
+        raise RuntimeError(
+            f"{where} ran {f} training-mode forward call(s) but received {b} output "
+            "gradient(s) since the last step: a forward that is not backpropagated (a "
+            "metric or validation loss computed in training mode) would enter its factor "
+            "A. Wrap extra forwards in torch.no_grad() or run them in eval mode "
+            "(model.eval())."
+        )

@@ -1,0 +1,36 @@
+"""Compact forms of the factor statistics for their all-reduce.
+
+A symmetric ``n × n`` matrix is sent as its upper triangle (``n(n+1)/2`` numbers,
+about half the traffic) when ``symmetry_aware`` is set; a single finiteness test per
+tensor spots a GradScaler overflow.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["all_finite", "pack_upper", "unpack_upper"]
+
+
+def pack_upper(t: Tensor) -> Tensor:
+    """The upper triangle (diagonal included) of the last two dims of ``t``, row by row."""
+    n = t.shape[-1]
+    iu = torch.triu_indices(n, n, device=t.device)
+    return t[..., iu[0], iu[1]]
+
+
+def unpack_upper(v: Tensor, n: int) -> Tensor:
+    """The symmetric ``n × n`` matrices whose upper triangles :func:`pack_upper` gave."""
+    iu = torch.triu_indices(n, n, device=v.device)
+    out = v.new_zeros((*v.shape[:-1], n, n))
+    out[..., iu[0], iu[1]] = v
+    return out + torch.triu(out, diagonal=1).mT
+
+
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite (no inf, no NaN)."""
+    # A sum is finite only if every term is (inf and NaN propagate): one reduction
+    # instead of isfinite's full-size temporaries; the elementwise test settles a
+    # finite tensor whose sum overflowed.
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())

@@ -228,7 +228,7 @@ class _Block:
 class KroneckerPreconditioner:
     """``M⁻¹`` of one linearisation: the layers' eigenbases, then any λ (module docstring).
 
-    Built by :meth:`~secondorder.lm.linalg.CGSolver.factor` once per iteration from
+    Built by :meth:`~secondorder.lm.cg.CGSolver.factor` once per iteration from
     the record's :class:`KroneckerStats`, the damping diagonal ``d`` and
     ``diag(JᵀJ)``; :meth:`apply` runs per λ and per CG iteration.
     """

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from ..distributed.reducer import LocalReducer, Reducer
-from .linalg import CGFactorization, CGSolver, Factorization, LinearSolver, NormalEquations
+from .cg import CGFactorization, CGSolver
+from .linalg import Factorization, LinearSolver, NormalEquations
 
 __all__ = ["BroadcastSolver", "ShardedCGSolver", "ShardedNormalEquations"]
 

@@ -58,7 +58,7 @@ from .core import (
     Stepper,
     StepReport,
 )
-from .workloads import digits, mlp
+from .workloads import digits, mlp, mnist1d, mnist1d_cnn
 
 __all__ = [
     "FAMILY_NAME",
@@ -96,46 +96,6 @@ SHAMPOO_DEFAULTS: dict[str, Any] = {
 # Problems
 
 
-@functools.lru_cache(maxsize=2)
-def _mnist1d(samples: int = 5000) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """MNIST-1D from ``mnist1d``'s offline generator (default arguments, seed 42).
-
-    ``samples`` signals split 80 / 20 by the package (5,000: the standard 4,000 / 1,000);
-    inputs ``(samples, 40)`` float32, labels int64.  Private until the shared loader of
-    :mod:`benchmarks.workloads` lands (same split).
-    """
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.num_samples = samples
-    d = make_dataset(args)
-
-    def pair(x: Any, y: Any) -> tuple[Tensor, Tensor]:
-        return torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64)
-
-    return pair(d["x"], d["y"]), pair(d["x_test"], d["y_test"])
-
-
-def _cnn(channels: int = 32, hidden: int = 256, seed: int = 0) -> Callable[[], nn.Module]:
-    """Conv1d(1,c,5,pad 2)-ReLU-Conv1d(c,c,3,pad 1)-ReLU-Linear(40c,h)-ReLU-Linear(h,10)."""
-
-    def make() -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(
-            nn.Unflatten(1, (1, 40)),
-            nn.Conv1d(1, channels, 5, padding=2),
-            nn.ReLU(),
-            nn.Conv1d(channels, channels, 3, padding=1),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(40 * channels, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, 10),
-        )
-
-    return make
-
-
 def _ce(out: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(out, y)
 
@@ -154,7 +114,7 @@ def make_problem(key: str, mode: str = "full") -> Problem:
         "soap_frequency": 4 if tiny else 10,
     }
     if key == "shampoo_mnist1d_cnn":
-        train, test = _mnist1d(250 if tiny else 5000)
+        train, test = mnist1d(250 if tiny else 5000)
         return Problem(
             key=key,
             title="MNIST-1D (mnist1d, 4,000 / 1,000), CNN Conv1d(1,32,5)-Conv1d(32,32,3)-"
@@ -163,7 +123,7 @@ def make_problem(key: str, mode: str = "full") -> Problem:
             kind="classification",
             train=train,
             test=test,
-            make_model=_cnn(4, 16) if tiny else _cnn(),
+            make_model=mnist1d_cnn(channels=4, hidden=16) if tiny else mnist1d_cnn(),
             loss=_ce,
             batch_size=32 if tiny else 128,
             target=0.85,

@@ -40,6 +40,7 @@ from secondorder.shampoo.blocking import block_slices, merge_dims
 from secondorder.shampoo.distributor import block_cost
 
 from .scaling import CountingReducer, ModelAssumptions, Traffic, comm_seconds, measure_worlds
+from .workloads import mnist1d, mnist1d_cnn
 
 __all__ = [
     "GPT2_SMALL",
@@ -109,9 +110,7 @@ def gather_bytes(
 
 
 def _model(c: Config) -> nn.Module:
-    from .shampoo_methods import _cnn
-
-    return _cnn(c.channels, c.hidden)()
+    return mnist1d_cnn(channels=c.channels, hidden=c.hidden)()
 
 
 def rank_job(rank: int, world: int, c: Config) -> dict[str, Any]:
@@ -121,9 +120,7 @@ def rank_job(rank: int, world: int, c: Config) -> dict[str, Any]:
     all-reduce and of the optimizer step (as ``asdict(Traffic)``) and the final
     parameters.
     """
-    from .shampoo_methods import _mnist1d
-
-    (x, y), _ = _mnist1d(c.samples)
+    (x, y), _ = mnist1d(c.samples)
     model = _model(c)
     reducer = CountingReducer()
     opt = Shampoo(

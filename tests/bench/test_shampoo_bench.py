@@ -196,7 +196,7 @@ def test_bad_problem_arguments(kwargs: dict[str, str], match: str) -> None:
 
 
 def test_full_cnn_is_the_issues_network() -> None:
-    shapes = [tuple(p.shape) for p in shampoo_methods._cnn()().parameters()]
+    shapes = [tuple(p.shape) for p in shampoo_methods.mnist1d_cnn()().parameters()]
     assert shapes == [(32, 1, 5), (32,), (32, 32, 3), (32,), (256, 1280), (256,), (10, 256), (10,)]
     assert sum(math.prod(s) for s in shapes) == 333_802
 
@@ -292,7 +292,7 @@ def test_peers_run_or_say_why() -> None:
 @pytest.mark.slow
 def test_mnist1d_split() -> None:
     pytest.importorskip("mnist1d")
-    (x, y), (xt, _) = shampoo_methods._mnist1d(5000)
+    (x, y), (xt, _) = shampoo_methods.mnist1d(5000)
     assert x.shape == (4000, 40) and xt.shape == (1000, 40)
     assert y.dtype == torch.int64 and set(y.tolist()) == set(range(10))
 

@@ -54,6 +54,7 @@ __all__ = [
     "fmt_s",
     "machine",
     "markdown",
+    "only_on",
     "plot",
     "run_method",
     "run_problem",
@@ -609,3 +610,14 @@ def finite_or_none(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [finite_or_none(v) for v in obj]
     return obj
+
+
+def only_on(
+    problems: Sequence[str], fn: Callable[[Problem], list[Method]]
+) -> Callable[[Problem], list[Method]]:
+    """``fn`` on the problems whose key is in ``problems`` (a family's own); none elsewhere."""
+
+    def make(problem: Problem) -> list[Method]:
+        return fn(problem) if problem.key in problems else []
+
+    return make

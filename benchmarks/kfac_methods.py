@@ -57,6 +57,7 @@ from .core import (
     Stepper,
     StepReport,
     fmt_s,
+    only_on,
     torch_optimizer,
     train,
 )
@@ -456,20 +457,13 @@ def methods_for(problem: Problem, keys: Sequence[str] = METHODS) -> list[Method]
     return [m for key in METHODS if key in keys for m in makers[key](problem)]
 
 
-def _own(fn: Callable[[Problem], list[Method]]) -> Callable[[Problem], list[Method]]:
-    def make(problem: Problem) -> list[Method]:
-        return fn(problem) if problem.key in PROBLEMS else []
-
-    return make
-
-
 def _method_makers() -> dict[str, Callable[[Problem], list[Method]]]:
     return {
-        "kfac": _own(lambda p: [guarded(kfac_method(p, 10))]),
-        "kfac_every1": _own(lambda p: [guarded(kfac_method(p, 1))]),
-        "sgd": _own(sgd_methods),
-        "adamw": _own(adamw_methods),
-        "asdl": _own(lambda p: [guarded(asdl_method(p, 10))]),
+        "kfac": only_on(PROBLEMS, lambda p: [guarded(kfac_method(p, 10))]),
+        "kfac_every1": only_on(PROBLEMS, lambda p: [guarded(kfac_method(p, 1))]),
+        "sgd": only_on(PROBLEMS, sgd_methods),
+        "adamw": only_on(PROBLEMS, adamw_methods),
+        "asdl": only_on(PROBLEMS, lambda p: [guarded(asdl_method(p, 10))]),
     }
 
 

@@ -45,6 +45,7 @@ from .core import (
     Stepper,
     StepReport,
     fmt_s,
+    only_on,
     torch_optimizer,
 )
 from .lm_floor import describe, floor_markdown, measure_floors, stage_cell
@@ -276,15 +277,6 @@ def methods_for(problem: Problem, keys: Sequence[str] = METHODS) -> list[Method]
     return [m for key in METHODS if key in keys for m in makers[key](problem)]
 
 
-def _own(fn: Callable[[Problem], list[Method]]) -> Callable[[Problem], list[Method]]:
-    """``fn`` on LM's own problems; nothing on another family's."""
-
-    def make(problem: Problem) -> list[Method]:
-        return fn(problem) if problem.key in PROBLEMS else []
-
-    return make
-
-
 def _method_makers() -> dict[str, Callable[[Problem], list[Method]]]:
     # "lm" and "lm_fast" are selected together: "lm_fast" also brings the extras.
     def lm(problem: Problem) -> list[Method]:
@@ -294,11 +286,11 @@ def _method_makers() -> dict[str, Callable[[Problem], list[Method]]]:
         return [lm_method(k, v) for k, v in _lm_configs(problem, ["lm_fast"]).items()]
 
     return {
-        "lm": _own(lm),
-        "lm_fast": _own(lm_fast),
-        "tlm": _own(lambda p: [tlm_method(p)]),
-        "adam": _own(lambda p: [adam_method(p)]),
-        "scipy": _own(scipy_methods),
+        "lm": only_on(PROBLEMS, lm),
+        "lm_fast": only_on(PROBLEMS, lm_fast),
+        "tlm": only_on(PROBLEMS, lambda p: [tlm_method(p)]),
+        "adam": only_on(PROBLEMS, lambda p: [adam_method(p)]),
+        "scipy": only_on(PROBLEMS, scipy_methods),
     }
 
 

@@ -57,6 +57,7 @@ from .core import (
     Section,
     Stepper,
     StepReport,
+    only_on,
 )
 from .workloads import digits, mlp, mnist1d, mnist1d_cnn
 
@@ -386,22 +387,17 @@ def methods_for(problem: Problem, keys: Sequence[str] = METHODS) -> list[Method]
     return [m for key in METHODS if key in keys for m in makers[key](problem)]
 
 
-def _own(fn: Callable[[Problem], list[Method]]) -> Callable[[Problem], list[Method]]:
-    def make(problem: Problem) -> list[Method]:
-        return fn(problem) if problem.key in PROBLEMS else []
-
-    return make
-
-
 def _method_makers() -> dict[str, Callable[[Problem], list[Method]]]:
     return {
-        "shampoo": _own(lambda p: [shampoo_method(p, 1, False)]),
-        "shampoo_f100": _own(
-            lambda p: [shampoo_method(p, p.setting("long_frequency", 100), False)]
+        "shampoo": only_on(PROBLEMS, lambda p: [shampoo_method(p, 1, False)]),
+        "shampoo_f100": only_on(
+            PROBLEMS, lambda p: [shampoo_method(p, p.setting("long_frequency", 100), False)]
         ),
-        "soap": _own(lambda p: [shampoo_method(p, p.setting("soap_frequency", 10), True)]),
-        "shampoo_adamw": _own(adamw_methods),
-        "shampoo_peers": _own(peer_methods),
+        "soap": only_on(
+            PROBLEMS, lambda p: [shampoo_method(p, p.setting("soap_frequency", 10), True)]
+        ),
+        "shampoo_adamw": only_on(PROBLEMS, adamw_methods),
+        "shampoo_peers": only_on(PROBLEMS, peer_methods),
     }
 
 

@@ -97,7 +97,10 @@ def least_squares(
         max_nfev: calls of ``fun`` allowed, counted as ``nfev`` is (default
             ``100·n``, or ``100·n·(n+1)`` with finite differences, as scipy's "lm").
             The run stops once it is spent; the Jacobian at the last accepted point
-            may take it past by one Jacobian's calls.
+            may take it past by one Jacobian's calls.  ``max_nfev=1`` calls ``fun``
+            for the value and the Jacobian at ``x0`` only: 2 calls with autodiff
+            (the first records a graph to check the residuals depend on ``x``),
+            ``1 + n`` with ``"2-point"``, ``1 + 2n`` with ``"3-point"``.
         damping: initial λ.
         damping_rule: ``"nielsen"`` or ``"multiplicative"``.
         damping_matrix: ``"more"``, ``"marquardt"`` or ``"identity"``.

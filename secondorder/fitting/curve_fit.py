@@ -254,14 +254,19 @@ def _torch_friendly(f: Callable[..., Any], x: Any, p: Tensor) -> bool:
 
     A function written with NumPy either fails on tensors, returns an array, or makes
     NumPy warn about tensors; any of these sends it down the finite-difference path.
+    One call of ``f`` decides (a forward-mode derivative, which also runs the values).
     """
+
+    def values(q: Tensor) -> tuple[Tensor, Tensor]:
+        out = f(x, *q.unbind(0))
+        if not isinstance(out, Tensor):
+            raise TypeError("not a tensor")
+        return out, out
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            out = f(x, *p.unbind(0))
-            if not isinstance(out, Tensor):
-                return False
-            torch.func.jacfwd(lambda q: f(x, *q.unbind(0)))(p)
+            torch.func.jacfwd(values, has_aux=True)(p)
         except Exception:
             return False
     # NumPy ufuncs applied to tensors return tensors but warn about ``__array_wrap__``.

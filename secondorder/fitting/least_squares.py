@@ -35,7 +35,13 @@ from ..lm.damping import (
 from ..lm.engine import EngineConfig, iterate
 from ..lm.linalg import NormalEquations, make_solver
 from .bounds import BoxTransform, parse_bounds
-from .functions import jacobian_function, output_eps, residual_function
+from .functions import (
+    CallCounter,
+    flat_residuals,
+    jacobian_function,
+    output_eps,
+    residual_function,
+)
 from .losses import LOSSES, rho
 from .problem import FunctionProblem, is_finite_system
 from .result import MESSAGES, OptimizeResult
@@ -88,7 +94,13 @@ def least_squares(
         xtol: scipy's tolerance on the relative step.
         gtol: scipy's tolerance on the cosine between residuals and columns of J
             (MINPACK's measure).
-        max_nfev: evaluations allowed (default ``100·n``).
+        max_nfev: calls of ``fun`` allowed, counted as ``nfev`` is (default
+            ``100·n``, or ``100·n·(n+1)`` with finite differences, as scipy's "lm").
+            The run stops once it is spent; the Jacobian at the last accepted point
+            may take it past by one Jacobian's calls.  ``max_nfev=1`` calls ``fun``
+            for the value and the Jacobian at ``x0`` only: 2 calls with autodiff
+            (the first records a graph to check the residuals depend on ``x``),
+            ``1 + n`` with ``"2-point"``, ``1 + 2n`` with ``"3-point"``.
         damping: initial λ.
         damping_rule: ``"nielsen"`` or ``"multiplicative"``.
         damping_matrix: ``"more"``, ``"marquardt"`` or ``"identity"``.
@@ -100,7 +112,14 @@ def least_squares(
         kwargs: extra keyword arguments of ``fun`` (and of a callable ``jac``).
 
     Returns:
-        An :class:`OptimizeResult` with scipy's fields.
+        An :class:`OptimizeResult` with scipy's fields.  ``nfev`` counts every call of
+        ``fun`` except those made inside an automatic-differentiation Jacobian: residual
+        values (the first at ``x0`` included), finite-difference columns (as scipy's
+        "lm" counts them) and geodesic second derivatives.  ``njev`` counts Jacobian
+        evaluations; ``"fwd"``/``"rev"`` call ``fun`` once per Jacobian, so with them
+        ``fun`` is called exactly ``nfev + njev`` times, otherwise exactly ``nfev``
+        times.  Nothing is evaluated twice: the result reuses the last residuals and
+        Jacobian.
     """
     kwargs = _check_call(fun, args, kwargs, geodesic)
     x_start, numpy_in = _start_point(x0)
@@ -121,9 +140,15 @@ def least_squares(
     )
     transform = BoxTransform(*parse_bounds(bounds, n))
     _check_feasible(x_start, transform)
-    problem = _build_problem(fun, args, kwargs, x_start, numpy_in, transform, opts)
     y_start = transform.to_y(transform.strictly_feasible(x_start))
-    run = _solve(problem, y_start, opts, budget=int(max_nfev) if max_nfev is not None else 100 * n)
+    problem = _build_problem(fun, args, kwargs, y_start, numpy_in, transform, opts)
+    if max_nfev is not None:
+        budget = int(max_nfev)
+    else:
+        # scipy's "lm" default: finite-difference columns count as evaluations too.
+        differences = not callable(jac) and (not problem.differentiable or jac in JACS[3:])
+        budget = 100 * n * (n + 1) if differences else 100 * n
+    run = _solve(problem, y_start, opts, budget=budget)
     return _result(problem, run, opts, numpy_in=numpy_in)
 
 
@@ -217,7 +242,7 @@ def _build_problem(
     fun: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any],
-    x_start: Tensor,
+    y_start: Tensor,
     numpy_in: bool,
     transform: BoxTransform,
     opts: _Options,
@@ -225,13 +250,16 @@ def _build_problem(
     """Adapt ``fun`` and ``jac`` to tensors, check the residuals at ``x0``, wire the problem.
 
     Whether ``fun`` speaks torch (differentiable) or NumPy is decided by calling it once
-    with the kind of array ``x0`` is: what it returns decides.
+    with the kind of array ``x0`` is: what it returns decides, and it is kept as the
+    residuals at the start ``x(y_start)`` (the first of ``nfev``).
     """
-    probe = _probe(fun, args, kwargs, x_start, numpy_in, autodiff=isinstance(opts.jac, str)
-                   and opts.jac in ("auto", "fwd", "rev"))  # fmt: skip
+    counter = CallCounter(fun)
+    x_eval = transform.to_x(y_start)
+    autodiff = isinstance(opts.jac, str) and opts.jac in ("auto", "fwd", "rev")
+    probe = _probe(counter, args, kwargs, x_eval, numpy_in, autodiff=autodiff)
     numpy_fun = not isinstance(probe, Tensor)
-    residuals = residual_function(fun, args, kwargs, numpy_fun=numpy_fun)
-    f0 = residuals(x_start).detach()
+    residuals = residual_function(counter, args, kwargs, numpy_fun=numpy_fun)
+    f0 = flat_residuals(probe, numpy_fun=numpy_fun).detach()
     if f0.numel() == 0:
         raise ValueError("fun returned no residuals at x0")
     if not bool(torch.isfinite(f0).all()):
@@ -240,12 +268,13 @@ def _build_problem(
         opts.jac,
         residuals,
         numpy_fun=numpy_fun,
-        shape=(f0.numel(), x_start.numel()),
+        shape=(f0.numel(), x_eval.numel()),
         args=args,
         kwargs=kwargs,
         eps=output_eps(probe),
+        counter=counter,
     )
-    return FunctionProblem(
+    problem = FunctionProblem(
         residuals,
         jac,
         transform,
@@ -253,7 +282,11 @@ def _build_problem(
         float(opts.f_scale),
         need_gram=opts.solver in ("cholesky", "eigh"),
         differentiable=not numpy_fun,
+        counter=counter,
+        takes_residuals=True,
     )
+    problem.remember(y_start, f0)
+    return problem
 
 
 def _probe(
@@ -394,14 +427,17 @@ def _solve(problem: FunctionProblem, y: Tensor, opts: _Options, *, budget: int) 
 def _result(
     problem: FunctionProblem, run: _Run, opts: _Options, *, numpy_in: bool
 ) -> OptimizeResult:
-    """The result's fields at the solution ``x(y)``: fresh residuals and Jacobian of ``x``.
+    """The result's fields at the solution ``x(y)``: its residuals and Jacobian in ``x``.
 
-    Under bounds ``optimality`` is Coleman-Li scaled, as scipy's "trf" reports it.
+    Both were computed by the run (the residuals when the point was tried, the Jacobian
+    when it was linearised) and are reused; only a point accepted in the last iteration
+    needs its Jacobian, counted in ``njev``.  Under bounds ``optimality`` is Coleman-Li
+    scaled, as scipy's "trf" reports it.
     """
     transform = problem.bounds
     x = transform.to_x(run.y).detach()
-    f = problem.fun(x).detach()
-    J = problem.jac(x).detach()
+    f = problem.residuals(run.y)
+    J = problem.jacobian(run.y, f)
     cost2 = problem.cost2(f)
     loss, f_scale = opts.loss, opts.f_scale
     rho1 = torch.ones_like(f) if loss == "linear" else rho(loss, (f / f_scale) ** 2)[1]

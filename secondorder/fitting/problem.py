@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..lm.linalg import NormalEquations
 from .bounds import BoxTransform
+from .functions import CallCounter, JacobianFn
 from .losses import doubled_cost, rho
 
 __all__ = ["FunctionProblem", "is_finite_system"]
@@ -39,10 +41,14 @@ class FunctionProblem:
     :meth:`residuals` and :meth:`linearize`.
 
     Attributes:
-        nfev, njev: residual and Jacobian evaluations so far (cached repeats and
-            finite-difference evaluations are not counted).
+        nfev: calls of ``fun`` so far other than autodiff Jacobian calls: residual
+            values, finite-difference columns, geodesic second derivatives (read from
+            ``counter``, which must wrap every path to the user's function).
+        njev: Jacobian evaluations so far.
         last: the last point evaluated and its residuals, so an accepted trial is not
             evaluated twice.
+        base: the last linearisation point with its residuals and raw Jacobian (in
+            ``x``), so the result at that point is reported without calling ``fun``.
         row_scale: Triggs' row scaling of the last linearisation (robust losses), else
             ``None``.
         extra_rows: rows appended to J for the curvature of the bounds' transform.
@@ -51,24 +57,29 @@ class FunctionProblem:
     def __init__(
         self,
         fun: Callable[[Tensor], Tensor],
-        jac: Callable[[Tensor], Tensor],
+        jac: JacobianFn | Callable[[Tensor], Tensor],
         bounds: BoxTransform,
         loss: str,
         f_scale: float,
         *,
         need_gram: bool,
         differentiable: bool,
+        counter: CallCounter | None = None,
+        takes_residuals: bool = False,
     ) -> None:
-        self.fun = fun
+        # Without a counter around the user's fun, count the calls made here.
+        self.counter = counter if counter is not None else CallCounter(fun)
+        self.fun: Callable[[Tensor], Tensor] = fun if counter is not None else self.counter
+        self.takes_residuals = takes_residuals
         self.need_gram = need_gram
         self.differentiable = differentiable
         self.jac = jac
         self.bounds = bounds
         self.loss = loss
         self.f_scale = f_scale
-        self.nfev = 0
         self.njev = 0
         self.last: tuple[Tensor, Tensor] | None = None
+        self.base: tuple[Tensor, Tensor, Tensor] | None = None
         self.row_scale: Tensor | None = None
         self.extra_rows = 0
 
@@ -76,11 +87,21 @@ class FunctionProblem:
         """``2·cost = f_scale² Σ ρ((f/f_scale)²)`` of residuals ``f``."""
         return doubled_cost(f, self.loss, self.f_scale)
 
+    @property
+    def nfev(self) -> int:
+        """Calls of ``fun`` outside autodiff Jacobians."""
+        return self.counter.value_calls
+
+    def remember(self, y: Tensor, f: Tensor) -> None:
+        """Record ``f = f(x(y))`` computed elsewhere (the first call of ``fun``)."""
+        self.last = (y.clone(), f.detach())
+
     def residuals(self, y: Tensor) -> Tensor:
-        """``f(x(y))``, flat float64, detached; a repeat of the last point is free."""
+        """``f(x(y))``, flat float64, detached; the last point and the base are free."""
         if self.last is not None and torch.equal(self.last[0], y):
             return self.last[1]
-        self.nfev += 1
+        if self.base is not None and torch.equal(self.base[0], y):
+            return self.base[1]
         # Values only: a fun closing over tensors that require grad must not drag a
         # graph along (autograd is used inside the Jacobian transforms alone).
         f = self.fun(self.bounds.to_x(y)).detach()
@@ -101,8 +122,7 @@ class FunctionProblem:
         overshoots.  Where it is positive it enters as an extra row ``√(g_x·x'')·eᵢ``
         with residual 0, which adds it to ``diag(JᵀJ)`` and leaves ``Jᵀr`` unchanged.
         """
-        self.njev += 1
-        J = self.jac(self.bounds.to_x(y)).detach()
+        J = self.jacobian(y, f)
         r, Js = self._robust_rows(f, J)
         scale_sq = None if self.row_scale is None else (J * J).sum(0)
         self.extra_rows = 0
@@ -118,6 +138,17 @@ class FunctionProblem:
             residuals=r,
             scale_sq=scale_sq,
         )
+
+    def jacobian(self, y: Tensor, f: Tensor) -> Tensor:
+        """The raw ``J(x(y))`` (in ``x``), with ``f = f(x(y))``; the base's is free."""
+        if self.base is not None and torch.equal(self.base[0], y):
+            return self.base[2]
+        self.njev += 1
+        x = self.bounds.to_x(y)
+        jac: Any = self.jac
+        J = (jac(x, f) if self.takes_residuals else jac(x)).detach()
+        self.base = (y.clone(), f.detach(), J)
+        return J
 
     def _robust_rows(self, f: Tensor, J: Tensor) -> tuple[Tensor, Tensor]:
         """Triggs' rescaled ``(r, Js)`` for a robust loss (``(f, J)`` for the linear one)."""
@@ -188,4 +219,6 @@ class FunctionProblem:
         f = self._fun_of_y
         h = torch.finfo(y.dtype).eps ** 0.25 * max(1.0, float(torch.linalg.vector_norm(y)))
         t = h / vnorm
-        return ((f(y + t * v) - 2.0 * f(y) + f(y - t * v)) / (t * t)).detach()
+        # f(y) is the linearisation point's, already known: two calls, not three.
+        centre = self.base[1] if self.base is not None and torch.equal(self.base[0], y) else f(y)
+        return ((f(y + t * v) - 2.0 * centre + f(y - t * v)) / (t * t)).detach()

@@ -31,8 +31,9 @@ class OptimizeResult:
         optimality: first-order optimality, ``‖grad‖∞`` (scaled by the distance to
             active bounds as scipy's "trf" does, when bounds are given).
         active_mask: -1/0/1 for a lower bound active, none, upper bound active.
-        nfev: residual evaluations (finite-difference evaluations are not counted).
-        njev: Jacobian evaluations.
+        nfev: calls of ``fun`` other than inside an autodiff Jacobian: residual
+            values, finite-difference columns and geodesic second derivatives.
+        njev: Jacobian evaluations ("fwd"/"rev" call ``fun`` once for each).
         status: 0 max_nfev reached, 1 gtol, 2 ftol, 3 xtol, 4 ftol and xtol.
         message: a sentence for ``status``.
         success: ``status > 0``.

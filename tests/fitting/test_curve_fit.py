@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -260,3 +261,48 @@ def test_report_arguments_are_checked():
         covariance({"x": 1})
     with pytest.raises(ValueError, match="cov must be a square matrix"):
         standard_errors(np.ones(3))
+
+
+class CountedModel:
+    """A model function that counts its calls."""
+
+    def __init__(self, f):
+        self.f = f
+        self.calls = 0
+        self.__signature__ = inspect.signature(f)
+
+    def __call__(self, x, *params):
+        self.calls += 1
+        return self.f(x, *params)
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "kind_check"),
+    [
+        # A torch f: one call decides it is differentiable, then nfev + njev calls
+        # (before the fix: 17 calls for nfev 6, njev 5).
+        (decay_torch, {}, 1),
+        # A NumPy f: the same one call (it rejects tensors), then nfev calls.
+        (decay_np, {}, 1),
+        # jac="3-point" says NumPy already: no deciding call.
+        (decay_np, {"jac": "3-point"}, 0),
+    ],
+)
+def test_f_is_called_once_per_counted_evaluation(model, options, kind_check):
+    t, y, sigma, p0 = decay_data()
+    f = CountedModel(model)
+    popt, _, info, _, _ = curve_fit(f, t, y, p0=p0, sigma=sigma, full_output=True, **options)
+    res = info["result"]
+    autodiff = model is decay_torch
+    assert f.calls == kind_check + res.nfev + (res.njev if autodiff else 0)
+    ref, _ = sopt.curve_fit(decay_np, t, y, p0=p0, sigma=sigma)
+    np.testing.assert_allclose(popt, ref, rtol=1e-6)
+
+
+def test_maxfev_1_calls_f_three_times_for_a_torch_model():
+    t, y, _, p0 = decay_data()
+    f = CountedModel(decay_torch)
+    with pytest.raises(RuntimeError, match="Optimal parameters not found"):
+        curve_fit(f, t, y, p0=p0, maxfev=1)
+    # Deciding torch or NumPy, the value and the Jacobian at p0 (before the fix: 8).
+    assert f.calls == 3

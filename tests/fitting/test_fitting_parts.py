@@ -245,3 +245,18 @@ def test_bad_calls_are_refused_with_a_message(
 ) -> None:
     with pytest.raises(error, match=match):
         so.least_squares(fun, x0, **options)
+
+
+@pytest.mark.parametrize(("scheme", "per_column"), [("2-point", 1), ("3-point", 2)])
+def test_finite_differences_reuse_the_known_residuals(scheme: str, per_column: int) -> None:
+    calls = []
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.clone())
+        return _fun(x)
+
+    x = torch.tensor([1.5, 0.7], dtype=F64)
+    J = finite_difference(counted, scheme)(x, _fun(x))
+    assert len(calls) == per_column * x.numel()
+    assert not any(torch.equal(c, x) for c in calls)
+    torch.testing.assert_close(J, finite_difference(_fun, scheme)(x), rtol=0, atol=0)

@@ -779,3 +779,135 @@ def test_max_nfev_reached_is_status_0(max_nfev: int) -> None:
     # The result is still the best point seen, with consistent fields.
     assert res.cost < p.initial_cost() or max_nfev == 1
     assert res.cost == pytest.approx(0.5 * float((p.torch_fun(res.x) ** 2).sum()), rel=1e-14)
+
+
+# -- 10. counting the calls of fun ---------------------------------------------------------
+#
+# The convention (least_squares's docstring): nfev counts every call of fun except those
+# made inside an automatic-differentiation Jacobian, njev counts Jacobians.  "fwd" and
+# "rev" call fun once per Jacobian, so fun runs exactly nfev + njev times with them and
+# exactly nfev times with finite differences or a jac callable.
+
+
+class Counted:
+    """A function that counts its calls (and keeps the points of NumPy calls)."""
+
+    def __init__(self, fun: Callable[..., Any]) -> None:
+        self.fun = fun
+        self.calls = 0
+        self.points: list[np.ndarray] = []
+
+    def __call__(self, x: Any) -> Any:
+        self.calls += 1
+        if isinstance(x, np.ndarray):
+            self.points.append(x.copy())
+        return self.fun(x)
+
+
+AUTODIFF_CASES = [
+    pytest.param({"jac": "fwd"}, id="fwd"),
+    pytest.param({"jac": "rev"}, id="rev"),
+    pytest.param({}, id="auto"),
+    pytest.param({"geodesic": True}, id="geodesic"),
+    pytest.param({"bounds": ([0.0, 0.0, 0.0], [1.0, 5.0, 5.0])}, id="bounds"),
+    pytest.param({"loss": "soft_l1", "solver": "cholesky"}, id="soft_l1"),
+]
+
+
+@pytest.mark.parametrize("options", AUTODIFF_CASES)
+def test_autodiff_calls_fun_nfev_plus_njev_times(options: dict[str, Any]) -> None:
+    p = PROBLEMS["bard"]
+    fun = Counted(p.torch_fun)
+    res = so.least_squares(fun, p.x0_tensor, **options)
+    assert res.nfev >= 2 and res.njev >= 1
+    assert fun.calls == res.nfev + res.njev
+    # The reported residuals and Jacobian were cached along the way: they are res.x's.
+    torch.testing.assert_close(res.fun, p.torch_fun(res.x), rtol=0, atol=0)
+    torch.testing.assert_close(res.jac, jacfwd(p.torch_fun)(res.x), rtol=1e-12, atol=1e-15)
+
+
+FD_CASES = [
+    pytest.param({}, 1, id="2-point"),
+    pytest.param({"jac": "3-point"}, 2, id="3-point"),
+    pytest.param({"geodesic": True}, 1, id="geodesic"),
+    pytest.param({"bounds": ([0.0, 0.0, 0.0], [1.0, 5.0, 5.0])}, 1, id="bounds"),
+]
+
+
+@pytest.mark.parametrize(("options", "per_column"), FD_CASES)
+def test_finite_differences_call_fun_nfev_times_never_twice_at_a_point(
+    options: dict[str, Any], per_column: int
+) -> None:
+    p = PROBLEMS["bard"]
+    fun = Counted(p.numpy_fun)
+    res = so.least_squares(fun, np.array(p.x0), **options)
+    assert fun.calls == res.nfev
+    # Each Jacobian costs n (forward) or 2n (central) calls, all inside nfev.
+    assert res.nfev >= 1 + per_column * 3 * res.njev
+    distinct = {pt.tobytes() for pt in fun.points}
+    assert len(distinct) == len(fun.points)
+    np.testing.assert_array_equal(res.fun, p.numpy_fun(res.x))
+
+
+def test_a_jac_callable_is_called_njev_times_and_fun_nfev_times() -> None:
+    p = PROBLEMS["bard"]
+    fun, jac = Counted(p.numpy_fun), Counted(p.numpy_jac)
+    res = so.least_squares(fun, np.array(p.x0), jac=jac)
+    assert (fun.calls, jac.calls) == (res.nfev, res.njev)
+    assert res.njev >= 2
+
+
+@pytest.mark.parametrize(
+    ("fun_kind", "options", "calls"),
+    [
+        # One value and one Jacobian at x0 (before the fix: 6 calls with autodiff).
+        ("torch", {}, 2),
+        # One value and n = 2 forward-difference columns (before: 10 calls).
+        ("numpy", {}, 3),
+        # One value and 2n central-difference columns (before: 14 calls).
+        ("numpy", {"jac": "3-point"}, 5),
+    ],
+)
+def test_max_nfev_1_calls_fun_for_one_value_and_one_jacobian(
+    fun_kind: str, options: dict[str, Any], calls: int
+) -> None:
+    p = PROBLEMS["rosenbrock"]
+    fun = Counted(p.torch_fun if fun_kind == "torch" else p.numpy_fun)
+    x0 = p.x0_tensor if fun_kind == "torch" else np.array(p.x0)
+    res = so.least_squares(fun, x0, max_nfev=1, **options)
+    assert res.status == 0
+    assert fun.calls == calls
+    assert fun.calls == res.nfev + (res.njev if fun_kind == "torch" else 0)
+
+
+@pytest.mark.parametrize("name", ["rosenbrock", "bard", "osborne1"])
+def test_nfev_against_scipy_lm(name: str) -> None:
+    """Our counts against the calls scipy's MINPACK makes, on the same problems.
+
+    scipy 1.17's "lm" reports nfev without its finite-difference calls (its docs say
+    they are counted), so the calls are counted here as fun sees them.  Recorded with
+    scipy 1.17.1, (ours, scipy):
+
+    ==========  ======================  ===================================
+    problem     calls, differences      nfev (njev), exact Jacobian
+    ==========  ======================  ===================================
+    rosenbrock  (57, 53)                (21 (18), 21 (16))
+    bard        (32, 24)                (8 (8), 6 (5))
+    osborne1    (133, 98)               (23 (22), 18 (15))
+    ==========  ======================  ===================================
+    """
+    p = PROBLEMS[name]
+    ours, theirs = Counted(p.numpy_fun), Counted(p.numpy_fun)
+    res = so.least_squares(ours, np.array(p.x0))
+    ref = scipy.optimize.least_squares(theirs, np.array(p.x0), method="lm")
+    exact = so.least_squares(p.torch_fun, p.x0_tensor)
+    ref_exact = scipy_lm(p)
+    print(
+        f"{name}: differences: calls {ours.calls} scipy {theirs.calls}; exact: nfev "
+        f"{exact.nfev} ({exact.njev}) scipy {ref_exact.nfev} ({ref_exact.njev})"
+    )
+    assert res.success and ref.success
+    assert res.nfev == ours.calls
+    # Same order of magnitude: both are MINPACK-style LM from the same start.
+    assert 0.5 <= ours.calls / theirs.calls <= 2
+    assert 0.5 <= exact.nfev / ref_exact.nfev <= 2

@@ -331,9 +331,41 @@ class LevenbergMarquardt(torch.optim.Optimizer):
 
         ``slice_size`` overrides the configured samples per Jacobian slice for this
         call only.  The model's parameters are written only if a step is accepted; if anything
-        raises during the step (the model, the residual function, an interrupt), they
-        are exactly as before.
+        raises during the step (the model, the residual function, an interrupt, in any
+        attempt), they and the optimizer's state (λ, ν, Moré's scale, the step count,
+        ``jacobian="auto"``'s choices) are exactly as before.
         """
+        saved = self._snapshot()
+        try:
+            return self._step(inputs, targets, slice_size)
+        except BaseException:
+            # KeyboardInterrupt included: the attempts before the failure raised λ and
+            # moved the damping rule's state; a failed step must leave no trace.
+            self._restore(saved)
+            raise
+
+    def _snapshot(self) -> tuple[DampingState, int, dict[str, str], Any, Any]:
+        """What :meth:`step` may change besides the parameters (written last)."""
+        # The Moré scale is replaced, never updated in place, so a reference suffices.
+        return (
+            replace(self._damping),
+            self._steps,
+            dict(self._choices.auto_cache),
+            self._problem,
+            self._memory_plan,
+        )
+
+    def _restore(self, saved: tuple[DampingState, int, dict[str, str], Any, Any]) -> None:
+        """Put back a :meth:`_snapshot`, into the same objects (:meth:`internals` holds them)."""
+        damping, self._steps, cache, self._problem, self._memory_plan = saved
+        self._damping.damping = damping.damping
+        self._damping.nu = damping.nu
+        self._damping.scale = damping.scale
+        self._choices.auto_cache.clear()
+        self._choices.auto_cache.update(cache)
+
+    def _step(self, inputs: Any, targets: Any, slice_size: int | None) -> StepInfo:
+        """:meth:`step` without its rollback."""
         t_start = time.perf_counter()
         setup, m_total, lr = self._setup(inputs, targets, slice_size)
         for replica in self.replicas:

@@ -1,0 +1,191 @@
+"""Issue 15: LM steps that would silently go wrong, or leave state behind when they fail.
+
+Faults are injected at a chosen call of the residual function.  With the per-sample
+``"reverse"`` Jacobian and ``slice_size=10`` on a batch of 40, a step calls it once to
+validate the batch (call 1), once per slice to linearise (calls 2-5) and once per slice
+for every trial point (6-9 for the first attempt, 10-13 for the second, ...); see
+``test_call_schedule`` in ``test_hardening.py``.  The references are the parameters
+and ``state_dict()`` before the step (bitwise) and an optimizer that never saw the fault.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import secondorder as so
+from secondorder.lm.checkpoint import entries
+
+F64 = torch.float64
+BATCH, SLICE = 40, 10
+FIRST_TRIAL = 6
+SECOND_TRIAL = 10
+
+
+def params_of(model: nn.Module) -> list[Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_params_bitwise(model: nn.Module, before: list[Tensor]) -> None:
+    now = [p.detach() for p in model.parameters()]
+    assert len(now) == len(before)
+    assert all(torch.equal(p, q) for p, q in zip(now, before, strict=True)), "parameters changed"
+
+
+def assert_state_bitwise(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Two optimizer state dicts are equal, tensors compared bitwise."""
+    ea, eb = entries(a), entries(b)
+    assert ea.keys() == eb.keys()
+    for k in ea:
+        x, y = ea[k], eb[k]
+        if isinstance(x, Tensor) or isinstance(y, Tensor):
+            assert isinstance(x, Tensor) and isinstance(y, Tensor), k
+            assert x.dtype == y.dtype and torch.equal(x, y), k
+        else:
+            assert x == y, k
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).to(F64)
+
+
+def sine_data() -> tuple[Tensor, Tensor]:
+    x = torch.linspace(-1, 1, BATCH, dtype=F64).reshape(-1, 1)
+    return x, torch.sin(3 * x)
+
+
+class Injected:
+    """``outputs - targets``, changed at chosen (1-based) calls.
+
+    ``plan`` maps a call number, or ``"trials"`` (every call after the linearisation),
+    to ``"double"``, ``"zero"``, ``"shrink"``, ``"raise"`` or ``"interrupt"``.
+    """
+
+    def __init__(self, plan: dict[Any, str] | None = None) -> None:
+        self.plan = dict(plan or {})
+        self.calls = 0
+
+    def __call__(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        self.calls += 1
+        r = outputs - targets
+        kind = self.plan.get(self.calls)
+        if kind is None and self.calls >= FIRST_TRIAL:
+            kind = self.plan.get("trials")
+        if kind == "double":
+            return torch.cat([r, r])
+        if kind == "zero":
+            return r[:0]
+        if kind == "shrink":
+            return r[: len(r) // 2]
+        if kind == "raise":
+            raise RuntimeError(f"injected failure at residual call {self.calls}")
+        if kind == "interrupt":
+            raise KeyboardInterrupt(f"injected interrupt at residual call {self.calls}")
+        return r
+
+
+def lm(model: nn.Module, residual_fn: Any, **options: Any) -> so.LevenbergMarquardt:
+    options.setdefault("slice_size", SLICE)
+    options.setdefault("jacobian", "reverse")
+    return so.LevenbergMarquardt(model, residual_fn, **options)
+
+
+# -- item 2: the number of residuals changes between linearisation and trial -------------------
+
+
+@pytest.mark.parametrize(
+    ("plan", "trial"),
+    [
+        ({"trials": "double"}, 80),
+        ({"trials": "zero"}, 0),
+        ({"trials": "shrink"}, 20),
+        ({FIRST_TRIAL + 1: "shrink"}, 35),  # one slice only
+    ],
+)
+@pytest.mark.parametrize("form", ["primal", "dual"])
+def test_residual_count_change_at_trial_raises_and_changes_nothing(plan, trial, form):
+    x, y = sine_data()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    res = Injected(plan)
+    opt = lm(model, res, form=form, damping_matrix="more")
+    before, state = params_of(model), opt.state_dict()
+    match = f"returned {trial} residuals at a trial point but 40 at the linearisation"
+    with pytest.raises(ValueError, match=match):
+        opt.step(x, y)
+    assert_params_bitwise(model, before)
+    assert_state_bitwise(opt.state_dict(), state)
+    # The next, clean step is bitwise the step of an optimizer that never saw the fault.
+    res.plan = {}
+    res.calls = 0
+    info = opt.step(x, y)
+    ref_info = lm(reference, Injected(), form=form, damping_matrix="more").step(x, y)
+    assert info.accepted and (info.loss, info.damping) == (ref_info.loss, ref_info.damping)
+    assert_params_bitwise(model, params_of(reference))
+
+
+def test_residual_count_change_at_second_attempt_leaves_damping_alone():
+    """A trial that is rejected first (λ raised), then a count change: λ is restored."""
+    x, y = sine_data()
+    model = mlp()
+    # Attempt 1: residuals blown up so the loss rises (rejected, λ raised); attempt 2:
+    # half the residuals.
+    res = Injected({SECOND_TRIAL: "shrink"})
+    res_scale = {FIRST_TRIAL + i: 1e3 for i in range(4)}
+
+    def residual(outputs: Tensor, targets: Tensor) -> Tensor:
+        r = res(outputs, targets)
+        return r * res_scale.get(res.calls, 1.0)
+
+    opt = lm(model, residual, damping_rule="nielsen")
+    before, state = params_of(model), opt.state_dict()
+    with pytest.raises(ValueError, match="returned 35 residuals at a trial point but 40"):
+        opt.step(x, y)
+    assert res.calls == SECOND_TRIAL + 3  # the second attempt ran (the first was rejected)
+    assert_params_bitwise(model, before)
+    assert_state_bitwise(opt.state_dict(), state)
+
+
+def rank_count_change(rank: int, world: int) -> tuple[str, bool, bool, float]:
+    """Rank 1's residual count doubles at the first trial; every rank must raise."""
+    x, y = sine_data()
+    share = BATCH // world
+    xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+    model = mlp()
+    # Call 1 validates, call 2 linearises the one slice, call 3 is the first trial.
+    res = Injected({3: "double"} if rank == 1 else {})
+    opt = lm(model, res, slice_size=share)
+    before, state = params_of(model), opt.state_dict()
+    message = ""
+    try:
+        opt.step(xs, ys)
+    except ValueError as exc:
+        message = str(exc)
+    same_params = all(
+        torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before, strict=True)
+    )
+    assert_state_bitwise(opt.state_dict(), state)
+    # The group is still usable: a clean step on every rank.
+    res.plan = {}
+    info = opt.step(xs, ys)
+    return message, same_params, info.accepted, info.loss
+
+
+@pytest.mark.distributed
+def test_residual_count_change_on_one_rank_raises_on_every_rank():
+    from secondorder.testing import run_ranks
+
+    results = {r: v.unwrap() for r, v in run_ranks(rank_count_change, 2).items()}
+    x, y = sine_data()
+    reference = lm(mlp(), Injected(), slice_size=BATCH).step(x, y)
+    for message, same_params, accepted, loss in results.values():
+        want = "returned 60 residuals at a trial point but 40 at the linearisation of all ranks"
+        assert want in message
+        assert same_params and accepted
+        # The single process on the concatenated batch, up to the order of the sums.
+        assert loss == pytest.approx(reference.loss, rel=1e-9)

@@ -189,3 +189,38 @@ def test_residual_count_change_on_one_rank_raises_on_every_rank():
         assert same_params and accepted
         # The single process on the concatenated batch, up to the order of the sums.
         assert loss == pytest.approx(reference.loss, rel=1e-9)
+
+
+# -- item 7: a failure in a later attempt leaves λ and the damping rule's state alone -----------
+
+
+@pytest.mark.parametrize("kind", ["raise", "interrupt"])
+@pytest.mark.parametrize(("rule", "matrix"), [("nielsen", "more"), ("multiplicative", "marquardt")])
+@pytest.mark.parametrize("slice_in_attempt", [0, 3])
+def test_failure_in_second_attempt_restores_damping_state(kind, rule, matrix, slice_in_attempt):
+    x, y = sine_data()
+    model = mlp()
+    call = SECOND_TRIAL + slice_in_attempt
+    res = Injected()
+    blown = {FIRST_TRIAL + i: 1e3 for i in range(BATCH // SLICE)}
+    seen_damping: list[float] = []
+
+    def residual(outputs: Tensor, targets: Tensor) -> Tensor:
+        if res.calls + 1 == SECOND_TRIAL:
+            # The second attempt starts: the first was rejected and λ raised.
+            seen_damping.append(opt.damping)
+        r = res(outputs, targets)
+        return r * blown.get(res.calls, 1.0)
+
+    opt = lm(model, residual, damping_rule=rule, damping_matrix=matrix)
+    opt.step(x, y)  # a clean first step, so ν, Moré's scale and the count are set
+    state_obj = opt.internals().damping_state
+    before, state = params_of(model), opt.state_dict()
+    res.calls, res.plan, seen_damping[:] = 0, {call: kind}, []
+    exc = RuntimeError if kind == "raise" else KeyboardInterrupt
+    with pytest.raises(exc, match=f"injected (failure|interrupt) at residual call {call}"):
+        opt.step(x, y)
+    assert seen_damping and seen_damping[0] > state["state"][0]["damping"]
+    assert_params_bitwise(model, before)
+    assert_state_bitwise(opt.state_dict(), state)
+    assert opt.internals().damping_state is state_obj

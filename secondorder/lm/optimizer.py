@@ -218,6 +218,22 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         self._steps = 0
         self._memory_plan: MemoryPlan | None = None
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: LM optimizes one flat vector of the model's parameters.
+
+        Its damping state, ``JᵀJ`` and checkpoints are laid out for the parameters it
+        was built on; build a new optimizer for a model with other parameters.
+        """
+        if "_function" in self.__dict__:
+            raise NotImplementedError(
+                "LevenbergMarquardt.add_param_group is not supported: LM optimizes one flat "
+                "vector of the model's trainable parameters, fixed when it is built. To train "
+                "more parameters, make them part of the model (requires_grad=True) and build "
+                "a new LevenbergMarquardt."
+            )
+        # torch.optim.Optimizer.__init__ adds the one group through here.
+        super().add_param_group(param_group)
+
     def _agree_across_ranks(
         self,
         named: list[tuple[str, nn.Parameter]],

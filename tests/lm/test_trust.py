@@ -151,8 +151,11 @@ def test_residual_count_change_at_second_attempt_leaves_damping_alone():
     assert_state_bitwise(opt.state_dict(), state)
 
 
-def rank_count_change(rank: int, world: int) -> tuple[str, bool, bool, float]:
-    """Rank 1's residual count doubles at the first trial; every rank must raise."""
+def rank_count_change(rank: int, world: int) -> tuple[str, bool, bool, float, str]:
+    """Rank 1's residual count doubles at the first trial, then its model changes.
+
+    Every rank must raise each time, and the group must stay usable.
+    """
     x, y = sine_data()
     share = BATCH // world
     xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
@@ -173,17 +176,32 @@ def rank_count_change(rank: int, world: int) -> tuple[str, bool, bool, float]:
     # The group is still usable: a clean step on every rank.
     res.plan = {}
     info = opt.step(xs, ys)
-    return message, same_params, info.accepted, info.loss
+    # Item 3 in the same launch: rank 1 replaces a parameter; every rank must raise.
+    original = model[0].weight
+    if rank == 1:
+        _replace_weight(model)
+    changed = ""
+    try:
+        opt.step(xs, ys)
+    except (RuntimeError, ValueError) as exc:
+        changed = str(exc)
+    model[0].weight = original
+    opt.step(xs, ys)  # and the group still works
+    return message, same_params, info.accepted, info.loss, changed
 
 
 @pytest.mark.distributed
-def test_residual_count_change_on_one_rank_raises_on_every_rank():
+def test_count_or_model_change_on_one_rank_raises_on_every_rank():
     from secondorder.testing import run_ranks
 
     results = {r: v.unwrap() for r, v in run_ranks(rank_count_change, 2).items()}
     x, y = sine_data()
     reference = lm(mlp(), Injected(), slice_size=BATCH).step(x, y)
-    for message, same_params, accepted, loss in results.values():
+    assert (
+        "the model changed after the optimizer was built: parameter '0.weight'" in (results[1][4])
+    )
+    assert "rejected the batch on rank(s) [1] of 2" in results[0][4]
+    for message, same_params, accepted, loss, _ in results.values():
         want = "returned 60 residuals at a trial point but 40 at the linearisation of all ranks"
         assert want in message
         assert same_params and accepted
@@ -224,3 +242,130 @@ def test_failure_in_second_attempt_restores_damping_state(kind, rule, matrix, sl
     assert_params_bitwise(model, before)
     assert_state_bitwise(opt.state_dict(), state)
     assert opt.internals().damping_state is state_obj
+
+
+# -- item 3: the model changes after the optimizer was built -----------------------------------
+
+
+def _replace_weight(m: nn.Module) -> None:
+    m[0].weight = nn.Parameter(m[0].weight.detach() + 1.0)
+
+
+def _replace_layer(m: nn.Module) -> None:
+    m[2] = nn.Linear(8, 1).to(F64)
+
+
+def _freeze(m: nn.Module) -> None:
+    m[0].bias.requires_grad_(False)
+
+
+def _reshape(m: nn.Module) -> None:
+    m[2].bias.data = torch.zeros(2, dtype=F64)
+
+
+def _to_float32(m: nn.Module) -> None:
+    m.float()
+
+
+def _remove_bias(m: nn.Module) -> None:
+    m[2].bias = None
+
+
+CHANGES = {
+    "replaced parameter": (
+        _replace_weight,
+        "parameter '0.weight' was replaced by another Parameter object",
+    ),
+    "replaced layer": (_replace_layer, "parameter '2.weight' was replaced by another Parameter"),
+    "frozen": (_freeze, r"parameter '0.bias' no longer requires grad \(requires_grad_\(False\)\)"),
+    "reshaped": (_reshape, r"parameter '2.bias' changed shape from \(1,\) to \(2,\)"),
+    "dtype": (_to_float32, "parameter '0.weight' moved from torch.float64 on cpu to torch.float32"),
+    "removed": (_remove_bias, "parameter '2.bias' is no longer in the model"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("call", ["step", "plan"])
+def test_model_changed_after_construction_is_refused(change, call):
+    x, y = sine_data()
+    model = mlp()
+    opt = lm(model, Injected())
+    opt.step(x, y)
+    old_params = list(opt.param_groups[0]["params"])
+    state = opt.state_dict()
+    edit, why = CHANGES[change]
+    edit(model)
+    # After the edit: a reshape or a dtype change edits the old Parameter objects.
+    before, changed = [p.detach().clone() for p in old_params], params_of(model)
+    match = f"the model changed after the optimizer was built: {why}.*build a new optimizer"
+    with pytest.raises(RuntimeError, match=match):
+        getattr(opt, call)(x.to(next(model.parameters()).dtype), y)
+    # Neither the tensors it was built on nor the model's new ones were touched.
+    assert all(torch.equal(p.detach(), q) for p, q in zip(old_params, before, strict=True))
+    assert_params_bitwise(model, changed)
+    assert_state_bitwise(opt.state_dict(), state)
+
+
+def test_parameter_that_became_trainable_is_refused():
+    x, y = sine_data()
+    model = mlp()
+    model[0].bias.requires_grad_(False)
+    opt = lm(model, Injected())
+    model[0].bias.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"parameter '0\.bias' is new or became trainable"):
+        opt.step(x, y)
+
+
+def test_undoing_the_change_gives_the_step_of_an_untouched_optimizer():
+    """The check refuses only real changes: put the Parameter back and the step is the same."""
+    x, y = sine_data()
+    model, reference = mlp(), mlp()
+    opt = lm(model, Injected())
+    original = model[0].weight
+    _replace_weight(model)
+    with pytest.raises(RuntimeError, match=r"'0\.weight' was replaced"):
+        opt.step(x, y)
+    model[0].weight = original
+    info, ref = opt.step(x, y), lm(reference, Injected()).step(x, y)
+    assert info.accepted and (info.loss, info.damping) == (ref.loss, ref.damping)
+    assert_params_bitwise(model, params_of(reference))
+
+
+def test_replicas_are_not_left_stale_after_a_refused_change():
+    x, y = sine_data()
+    model = mlp()
+    opt = lm(model, Injected(), devices=["cpu", "cpu"])
+    opt.step(x, y)
+    replica = opt.replicas[1]
+    replica_before = params_of(replica)
+    _replace_layer(model)
+    with pytest.raises(RuntimeError, match=r"parameter '2\.weight' was replaced"):
+        opt.step(x, y)
+    assert_params_bitwise(replica, replica_before)
+
+
+def test_add_param_group_is_refused():
+    model = mlp()
+    opt = lm(model, Injected())
+    extra = nn.Parameter(torch.zeros(3, dtype=F64))
+    state = opt.state_dict()
+    with pytest.raises(NotImplementedError, match="add_param_group is not supported: LM optimizes"):
+        opt.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 1
+    assert_state_bitwise(opt.state_dict(), state)
+
+
+@pytest.mark.parametrize("edit", ["append group", "append parameter"])
+def test_param_groups_edited_by_hand_is_refused(edit):
+    x, y = sine_data()
+    model = mlp()
+    opt = lm(model, Injected())
+    extra = nn.Parameter(torch.zeros(3, dtype=F64))
+    if edit == "append group":
+        opt.param_groups.append({"params": [extra], "lr": 1.0})
+    else:
+        opt.param_groups[0]["params"].append(extra)
+    before = params_of(model)
+    with pytest.raises(RuntimeError, match=r"param_groups was changed after the optimizer was"):
+        opt.step(x, y)
+    assert_params_bitwise(model, before)

@@ -45,6 +45,9 @@ def check_step(
             isinstance(slice_size, bool) or not isinstance(slice_size, int) or slice_size < 1
         ):
             raise ValueError(f"Invalid slice_size={slice_size!r}: must be an integer >= 1.")
+        # The model first: a changed model would also fail the batch probe, less clearly.
+        function.check_unchanged()
+        _check_param_groups(function, param_groups)
         batch, m = check_batch(function, inputs, targets, any_device=any_device)
         lr = float(param_groups[0]["lr"])
         if not lr > 0:
@@ -69,6 +72,18 @@ def check_step(
             "raised there. No rank changed its parameters."
         )
     return batch, m, int(tally[world]), lr
+
+
+def _check_param_groups(function: ModelFunction, param_groups: list[dict[str, Any]]) -> None:
+    """One group holding the parameters the optimizer was built on (x's layout)."""
+    if len(param_groups) != 1 or [id(p) for p in param_groups[0].get("params", [])] != [
+        id(p) for p in function.params
+    ]:
+        raise RuntimeError(
+            f"param_groups was changed after the optimizer was built ({len(param_groups)} "
+            "group(s)); LevenbergMarquardt optimizes one flat vector of the model's "
+            "parameters, in one group: build a new optimizer instead of editing param_groups."
+        )
 
 
 def _check_leaves(inputs: Any, targets: Any, p0: Tensor, any_device: bool) -> None:

@@ -187,6 +187,10 @@ class ModelFunction:
         self.names = names
         self.params = params
         self.shapes = [p.shape for p in params]
+        #: Shape, dtype and device of each parameter as built (see :meth:`check_unchanged`).
+        self._layout = {
+            k: (tuple(p.shape), p.dtype, p.device) for k, p in zip(names, params, strict=True)
+        }
         self.numels = [p.numel() for p in params]
         self.n = sum(self.numels)
         self.reducer = reducer
@@ -200,6 +204,55 @@ class ModelFunction:
         #: The user's model, whose parameters are the optimizer's state.
         self.home = homes[0] if homes else ModelEvaluator(model, residual_fn, names)
         self.program = self.home.program
+
+    def check_unchanged(self) -> None:
+        """Raise if the model's trainable parameters are not those x was laid out for.
+
+        The optimizer holds the Parameter objects it was built on: one assigned later
+        (``module.weight = nn.Parameter(...)``, a replaced layer), one frozen with
+        ``requires_grad_(False)``, or one whose shape, dtype or device changed would
+        leave it training stale tensors and reporting a loss that is not the model's.
+        Reads only Python attributes: no host synchronisation.
+        """
+        built = dict(zip(self.names, self.params, strict=True))
+        everything = dict(self.model.named_parameters())
+        now = {k: p for k, p in everything.items() if p.requires_grad}
+        problem = ""
+        for name, old in built.items():
+            new = now.get(name)
+            if new is None:
+                problem = (
+                    f"parameter {name!r} no longer requires grad (requires_grad_(False))"
+                    if name in everything
+                    else f"parameter {name!r} is no longer in the model"
+                )
+            elif new is not old:
+                problem = (
+                    f"parameter {name!r} was replaced by another Parameter object "
+                    "(a parameter or layer assigned after the optimizer was built)"
+                )
+            else:
+                shape, dtype, device = self._layout[name]
+                if tuple(old.shape) != shape:
+                    problem = f"parameter {name!r} changed shape from {shape} to {tuple(old.shape)}"
+                elif (old.dtype, old.device) != (dtype, device):
+                    problem = (
+                        f"parameter {name!r} moved from {dtype} on {device} "
+                        f"to {old.dtype} on {old.device}"
+                    )
+            if problem:
+                break
+        else:
+            added = [k for k in now if k not in built]
+            if added:
+                problem = f"parameter {added[0]!r} is new or became trainable (requires_grad=True)"
+        if problem:
+            raise RuntimeError(
+                f"the model changed after the optimizer was built: {problem}. "
+                "LevenbergMarquardt optimizes one flat vector of the parameters it was "
+                "built with; build a new optimizer for the model as it is now "
+                "(its state_dict() carries λ over when the parameter shapes are the same)."
+            )
 
     def unflatten(self, x: Tensor) -> dict[str, Tensor]:
         """The flat vector ``x`` as a name → tensor dict of parameter-shaped views."""

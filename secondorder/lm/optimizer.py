@@ -218,6 +218,22 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         self._steps = 0
         self._memory_plan: MemoryPlan | None = None
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: LM optimizes one flat vector of the model's parameters.
+
+        Its damping state, ``JᵀJ`` and checkpoints are laid out for the parameters it
+        was built on; build a new optimizer for a model with other parameters.
+        """
+        if "_function" in self.__dict__:
+            raise NotImplementedError(
+                "LevenbergMarquardt.add_param_group is not supported: LM optimizes one flat "
+                "vector of the model's trainable parameters, fixed when it is built. To train "
+                "more parameters, make them part of the model (requires_grad=True) and build "
+                "a new LevenbergMarquardt."
+            )
+        # torch.optim.Optimizer.__init__ adds the one group through here.
+        super().add_param_group(param_group)
+
     def _agree_across_ranks(
         self,
         named: list[tuple[str, nn.Parameter]],
@@ -331,9 +347,41 @@ class LevenbergMarquardt(torch.optim.Optimizer):
 
         ``slice_size`` overrides the configured samples per Jacobian slice for this
         call only.  The model's parameters are written only if a step is accepted; if anything
-        raises during the step (the model, the residual function, an interrupt), they
-        are exactly as before.
+        raises during the step (the model, the residual function, an interrupt, in any
+        attempt), they and the optimizer's state (λ, ν, Moré's scale, the step count,
+        ``jacobian="auto"``'s choices) are exactly as before.
         """
+        saved = self._snapshot()
+        try:
+            return self._step(inputs, targets, slice_size)
+        except BaseException:
+            # KeyboardInterrupt included: the attempts before the failure raised λ and
+            # moved the damping rule's state; a failed step must leave no trace.
+            self._restore(saved)
+            raise
+
+    def _snapshot(self) -> tuple[DampingState, int, dict[str, str], Any, Any]:
+        """What :meth:`step` may change besides the parameters (written last)."""
+        # The Moré scale is replaced, never updated in place, so a reference suffices.
+        return (
+            replace(self._damping),
+            self._steps,
+            dict(self._choices.auto_cache),
+            self._problem,
+            self._memory_plan,
+        )
+
+    def _restore(self, saved: tuple[DampingState, int, dict[str, str], Any, Any]) -> None:
+        """Put back a :meth:`_snapshot`, into the same objects (:meth:`internals` holds them)."""
+        damping, self._steps, cache, self._problem, self._memory_plan = saved
+        self._damping.damping = damping.damping
+        self._damping.nu = damping.nu
+        self._damping.scale = damping.scale
+        self._choices.auto_cache.clear()
+        self._choices.auto_cache.update(cache)
+
+    def _step(self, inputs: Any, targets: Any, slice_size: int | None) -> StepInfo:
+        """:meth:`step` without its rollback."""
         t_start = time.perf_counter()
         setup, m_total, lr = self._setup(inputs, targets, slice_size)
         for replica in self.replicas:

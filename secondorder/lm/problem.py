@@ -3,11 +3,14 @@
 :class:`ModelProblem` is what :func:`secondorder.lm.engine.iterate` drives.  It is
 built for one batch from a :class:`~secondorder.lm.model.ModelFunction` (the model as a
 function of x) and a :class:`BatchSetup` (the batch and the choices made for it:
-Jacobian strategy, solver, form, slice size, Gram dtype), and changes no state of its
-own afterwards.  ``linearize`` walks the batch slice by slice, reduces the slices'
-sums into one :class:`~secondorder.lm.linalg.NormalEquations` record (through the
-reducer, the only stage that talks to other processes), and keeps J's rows only
-where the dual form or the solver needs them.
+Jacobian strategy, solver, form, slice size, Gram dtype).  Its only state is the
+residual count of each slice at the last linearisation, against which every trial
+point is checked (a residual function whose output size changes between the two
+would otherwise compare losses over different residuals).  ``linearize`` walks the
+batch slice by slice, reduces the slices' sums into one
+:class:`~secondorder.lm.linalg.NormalEquations` record (through the reducer, the only
+stage that talks to other processes), and keeps J's rows only where the dual form or
+the solver needs them.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class ModelProblem:
         self.rows_sharded = self.store_rows and sharded_rows
         #: Whether ``linearize`` computes the K-FAC factors (CG with ``"kfac"``).
         self.needs_kronecker = bool(getattr(setup.solver, "needs_kronecker", False))
+        #: Residuals of each slice at the last linearisation (this rank's), and their sum.
+        self.slice_counts: list[int] | None = None
 
     # -- what the batch was set up with, by name ----------------------------------------
     @property
@@ -179,7 +184,9 @@ class ModelProblem:
     # -- the Problem protocol -----------------------------------------------------------
     def linearize(self, x: Tensor) -> NormalEquations:
         """``Σr²``, ``Jᵀr``, ``diag(JᵀJ)`` and the Gram or J's rows at ``x``, all ranks summed."""
-        sums = self._accumulate(x)
+        counts: list[int] = []
+        sums = self._accumulate(x, counts)
+        self.slice_counts = counts
         gram = self.group.sum(sums.grams)
         col_sq = sums.col_sq
         if gram is not None:
@@ -216,8 +223,11 @@ class ModelProblem:
             count=int(tally[1]), reducer=self.reducer, rows_sharded=self.rows_sharded, **fields
         )
 
-    def _accumulate(self, x: Tensor) -> _Sums:
-        """Walk the slices: their J and r, summed on the solver device in slice order."""
+    def _accumulate(self, x: Tensor, counts: list[int]) -> _Sums:
+        """Walk the slices: their J and r, summed on the solver device in slice order.
+
+        Appends each slice's residual count to ``counts``.
+        """
         group, n, wide = self.group, self.n, torch.float64
         sums = _Sums(
             loss_sum=torch.zeros((), dtype=wide, device=x.device),
@@ -237,6 +247,7 @@ class ModelProblem:
                     J = J.detach()
                     r = r.detach()
                     sums.count += r.numel()
+                    counts.append(r.numel())
                     part_loss = torch.dot(r.to(wide), r.to(wide))
                     part_grad = J.T @ r
                     if store:
@@ -313,18 +324,52 @@ class ModelProblem:
         return jac, residuals
 
     def loss_sum(self, x: Tensor) -> Tensor:
-        """``Σ r²`` at ``x`` over the whole batch and every rank, in float64 (0-d)."""
+        """``Σ r²`` at ``x`` over the whole batch and every rank, in float64 (0-d).
+
+        Raises :class:`ValueError` when a slice's residual count differs from the one
+        at the last :meth:`linearize` (on any rank: every rank raises).  The check
+        reads only shapes, so it costs no host synchronisation on one process.
+        """
         group = self.group
         points = self.function.points(x)
         total = torch.zeros((), dtype=torch.float64, device=x.device)
+        expected = self.slice_counts
+        seen: list[int] = []
         with torch.no_grad(), self.function.frozen():
             for k, inputs, targets in group.stage(self.slices()):
                 with group.on(k):
                     r = self.replicas[k].batch(points[k], inputs, targets).to(torch.float64)
+                    seen.append(r.numel())
                     part = torch.dot(r, r)
                 total += group.gather(part)
-        self.reducer.sum_([total])
-        return total
+        if self.reducer.world_size == 1:
+            if expected is not None and seen != expected:
+                raise ValueError(self._count_message(sum(expected), sum(seen), "this batch"))
+            return total
+        # Every rank must learn that one rank's count changed, or the others would
+        # wait for it in the next collective: the mismatch rides with the loss.
+        mismatch = expected is not None and seen != expected
+        tally = torch.tensor(
+            [0.0, float(mismatch), float(sum(seen)), float(sum(expected or seen))],
+            dtype=torch.float64,
+            device=x.device,
+        )
+        tally[0] = total
+        self.reducer.sum_([tally])
+        flag, trial, before = tally[1:].tolist()
+        if flag > 0:
+            raise ValueError(self._count_message(int(before), int(trial), "all ranks"))
+        return tally[0]
+
+    @staticmethod
+    def _count_message(before: int, trial: int, where: str) -> str:
+        return (
+            f"residual_fn returned {trial} residuals at a trial point but {before} at the "
+            f"linearisation of {where} (same batch, same samples): the number of residuals "
+            "must not depend on the parameters. Make residual_fn return the same shape for "
+            "every parameter value (e.g. mask with zeros instead of dropping entries). "
+            "Nothing was changed."
+        )
 
     def second_directional(
         self, x: Tensor, v: Tensor, system: NormalEquations

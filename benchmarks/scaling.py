@@ -133,7 +133,8 @@ def step_traffic(
     loss, residual count, ``Jᵀr`` and ``diag(JᵀJ)`` (one call), and the agreement on
     whether the factorisation succeeded (2 float64).  Per attempt: the
     step broadcast from rank 0 (``n + 1`` numbers), ``‖Jδ‖²`` (broadcast, or summed
-    over the rows of each rank for CG) and the loss at the trial point.  Then the
+    over the rows of each rank for CG) and the loss at the trial point with its
+    residual-count check (4 float64).  Then the
     form's own: the Gram (``n²``, primal); the row counts (``2·world`` int64) and the
     rows of J with their residuals (``rows·(n + 1)``, dual); ``n`` numbers per CG
     iteration.
@@ -152,8 +153,10 @@ def step_traffic(
         t += Traffic(allreduce=2 * world * f64, allreduce_calls=1)
         t += Traffic(allgather=rows * (n + 1) * itemsize, allgather_calls=1)
     t += Traffic(allreduce=2 * f64, allreduce_calls=1)  # factorisation flags
+    # The trial loss travels with the residual-count check: the loss, a mismatch flag
+    # and the counts at the trial point and at the linearisation (4 float64).
     per_attempt = Traffic(
-        broadcast=(n + 1) * itemsize, broadcast_calls=1, allreduce=f64, allreduce_calls=1
+        broadcast=(n + 1) * itemsize, broadcast_calls=1, allreduce=4 * f64, allreduce_calls=1
     )
     if form == "cg":
         per_attempt += Traffic(allreduce=itemsize, allreduce_calls=1)  # Σ_k ‖J_k δ‖²

@@ -543,8 +543,13 @@ def markdown(results: Sequence[ProblemResult], header: str, families: Sequence[F
     return "\n".join(lines)
 
 
-def plot(pr: ProblemResult, path: Path) -> bool:
-    """Loss (and test accuracy) against optimizer wall time; False without matplotlib."""
+def plot(pr: ProblemResult, path: Path, x: str = "time") -> bool:
+    """Loss (and test accuracy) against optimizer wall time or, with ``x="steps"``, steps.
+
+    Returns False without matplotlib.
+    """
+    if x not in ("time", "steps"):
+        raise ValueError(f"Unknown x={x!r}; valid choices are ('time', 'steps').")
     try:
         import matplotlib
 
@@ -555,11 +560,12 @@ def plot(pr: ProblemResult, path: Path) -> bool:
     cls = pr.problem.kind == "classification"
     fig, axes = plt.subplots(1, 2 if cls else 1, figsize=(12 if cls else 7, 4.5), squeeze=False)
     for r in pr.methods:
-        if r.status == "skipped" or not r.seconds:
+        xs = r.seconds if x == "time" else r.steps
+        if r.status == "skipped" or not xs:
             continue
-        axes[0][0].semilogy(r.seconds, r.losses, label=r.name)
+        axes[0][0].semilogy(xs, r.losses, label=r.name)
         if cls and r.accuracies:
-            axes[0][1].plot(r.seconds, r.accuracies, label=r.name)
+            axes[0][1].plot(xs, r.accuracies, label=r.name)
     axes[0][0].set_ylabel("training loss" + (" (cross-entropy)" if cls else " (MSE)"))
     if not cls:
         axes[0][0].axhline(pr.problem.target, color="grey", ls=":", lw=1)
@@ -567,7 +573,7 @@ def plot(pr: ProblemResult, path: Path) -> bool:
         axes[0][1].set_ylabel("test accuracy")
         axes[0][1].axhline(pr.problem.target, color="grey", ls=":", lw=1)
     for ax in axes[0]:
-        ax.set_xlabel("optimizer wall time (s)")
+        ax.set_xlabel("optimizer wall time (s)" if x == "time" else "steps")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(pr.problem.title, fontsize=9)

@@ -58,6 +58,7 @@ from .core import (
     StepReport,
     fmt_s,
     only_on,
+    plot,
     torch_optimizer,
     train,
 )
@@ -567,35 +568,7 @@ def ratio_lines(pr: ProblemResult) -> list[str]:
 
 def plot_steps(pr: ProblemResult, path: Path) -> bool:
     """Loss (and test accuracy) against steps; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - matplotlib is in the dev extra
-        return False
-    cls = pr.problem.kind == "classification"
-    fig, axes = plt.subplots(1, 2 if cls else 1, figsize=(12 if cls else 7, 4.5), squeeze=False)
-    for r in pr.methods:
-        if r.status == "skipped" or not r.steps:
-            continue
-        axes[0][0].semilogy(r.steps, r.losses, label=r.name)
-        if cls and r.accuracies:
-            axes[0][1].plot(r.steps, r.accuracies, label=r.name)
-    axes[0][0].set_ylabel("training loss")
-    axes[0][-1].axhline(pr.problem.target, color="grey", ls=":", lw=1)
-    if cls:
-        axes[0][1].set_ylabel("test accuracy")
-    for ax in axes[0]:
-        ax.set_xlabel("steps")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(pr.problem.title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return plot(pr, path, x="steps")
 
 
 def versions() -> dict[str, str | None]:

@@ -242,6 +242,11 @@ def test_a_family_adds_columns_sections_and_closings(tmp_path: Path) -> None:
     assert row.endswith("| 10 | ok |")
     assert "toy section: 10 steps" in report and report.rstrip().endswith("## 1 problem(s)")
     assert core.plot(pr, tmp_path / "toy.png") and (tmp_path / "toy.png").stat().st_size > 0
+    assert core.plot(pr, tmp_path / "steps.png", x="steps")
+    assert (tmp_path / "steps.png").stat().st_size > 0
+    bad_x = r"Unknown x='epochs'; valid choices are \('time', 'steps'\)"
+    with pytest.raises(ValueError, match=bad_x):
+        core.plot(pr, tmp_path / "bad.png", x="epochs")
 
 
 def test_finite_or_none_spells_nan_and_inf_as_null() -> None:

@@ -48,7 +48,7 @@ from secondorder.distributed import LocalReducer
 from secondorder.kfac import KFAC
 from secondorder.kfac.assignment import assign_work, factor_cost
 
-from .scaling import CountingReducer, Traffic, comm_seconds, measure_worlds, step_summary
+from .scaling import CountingReducer, Traffic, comm_seconds, fmt_bytes, measure_worlds, step_summary
 
 __all__ = [
     "STRATEGIES",
@@ -452,13 +452,6 @@ def _seconds(
 # -- report ----------------------------------------------------------------------------------
 
 
-def _bytes(b: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if b >= size:
-            return f"{b / size:.3g} {unit}"
-    return f"{b:.0f} B"
-
-
 def _secs(s: float) -> str:
     if s >= 0.9995:
         return f"{s:.3g} s"
@@ -492,8 +485,8 @@ def report(
         for r in rows:
             lines.append(
                 f"| {r['strategy']} | {r['ranks']} | {r['grad_workers']} | "
-                f"{r['s_per_step']:.4f} | {_bytes(r['bytes_per_step'])} | "
-                f"{_bytes(r['model_bytes_per_step'])} | {r['ranks_agree_bitwise']} |"
+                f"{r['s_per_step']:.4f} | {fmt_bytes(r['bytes_per_step'])} | "
+                f"{fmt_bytes(r['model_bytes_per_step'])} | {r['ranks_agree_bitwise']} |"
             )
         out["measured"] = rows
     table = paper_table(a)
@@ -512,7 +505,7 @@ def report(
     for r in table:
         lines.append(
             f"| {r['network']} | {r['strategy']} | {r['gpus']} | {r['k']} | "
-            f"{_bytes(r['bytes_per_step'])} | {_secs(r['comm_s'])} | {_secs(r['compute_s'])} "
+            f"{fmt_bytes(r['bytes_per_step'])} | {_secs(r['comm_s'])} | {_secs(r['compute_s'])} "
             f"| {_secs(r['total_s'])} |"
         )
     out["model"] = {"assumptions": asdict(a), "rows": table}

@@ -55,6 +55,8 @@ __all__ = [
     "Traffic",
     "add_scaling_parser",
     "comm_seconds",
+    "fmt_bytes",
+    "fmt_seconds",
     "launch_ranks",
     "measure",
     "measure_worlds",
@@ -535,14 +537,16 @@ def measure(
 # -- command line ------------------------------------------------------------------------
 
 
-def _bytes(b: float) -> str:
+def fmt_bytes(b: float) -> str:
+    """Bytes in GB, MB or kB to three significant digits (decimal units)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if b >= size:
             return f"{b / size:.3g} {unit}"
     return f"{b:.0f} B"
 
 
-def _seconds(s: float) -> str:
+def fmt_seconds(s: float) -> str:
+    """Seconds in s, ms or µs to three significant digits."""
     if s >= 1:
         return f"{s:.3g} s"
     if s >= 1e-3:
@@ -593,7 +597,7 @@ def report(
             lines.append(
                 f"| {r['form']} | {r['ranks']} | {r['n']} | {r['m']} | {r['s_per_step']:.4f} "
                 f"| {r['attempts_per_step']:.2g} | {r['cg_iterations_per_step']:.3g} "
-                f"| {_bytes(r['bytes_per_step'])} | {_bytes(r['model_bytes_per_step'])} |"
+                f"| {fmt_bytes(r['bytes_per_step'])} | {fmt_bytes(r['model_bytes_per_step'])} |"
             )
         out["measured"] = rows
     a = assumptions
@@ -610,9 +614,9 @@ def report(
     table = paper_table(a)
     for r in table:
         lines.append(
-            f"| {r['problem']} | {r['form']} | {r['ranks']} | {_bytes(r['allreduce_bytes'])} "
-            f"| {_bytes(r['allgather_bytes'])} | {_seconds(r['comm_s'])} "
-            f"| {_seconds(r['compute_s'])} | {_seconds(r['total_s'])} |"
+            f"| {r['problem']} | {r['form']} | {r['ranks']} | {fmt_bytes(r['allreduce_bytes'])} "
+            f"| {fmt_bytes(r['allgather_bytes'])} | {fmt_seconds(r['comm_s'])} "
+            f"| {fmt_seconds(r['compute_s'])} | {fmt_seconds(r['total_s'])} |"
         )
     out["model"] = {"assumptions": asdict(a), "rows": table}
     return "\n".join(lines), out

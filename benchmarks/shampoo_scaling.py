@@ -39,7 +39,15 @@ from secondorder.shampoo import AdamGraftingConfig, Shampoo, assign_blocks
 from secondorder.shampoo.blocking import block_slices, merge_dims
 from secondorder.shampoo.distributor import block_cost
 
-from .scaling import CountingReducer, ModelAssumptions, Traffic, comm_seconds, measure_worlds
+from .scaling import (
+    CountingReducer,
+    ModelAssumptions,
+    Traffic,
+    comm_seconds,
+    fmt_bytes,
+    fmt_seconds,
+    measure_worlds,
+)
 from .workloads import mnist1d, mnist1d_cnn
 
 __all__ = [
@@ -262,17 +270,6 @@ def paper_table(
 # -- the report ---------------------------------------------------------------------------
 
 
-def _bytes(b: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if b >= size:
-            return f"{b / size:.3g} {unit}"
-    return f"{b:.0f} B"
-
-
-def _secs(s: float) -> str:
-    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} µs"
-
-
 def report(
     configs: Sequence[Config], assumptions: ModelAssumptions | None = None
 ) -> dict[str, Any]:
@@ -296,10 +293,10 @@ def report(
         for r in rows:
             lines.append(
                 f"| {r['config']} | {r['ranks']} | {r['iteration_s']:.4f} | {r['step_s']:.4f} "
-                f"| {' / '.join(_bytes(b) for b in r['gathered_bytes_per_rank'])} "
-                f"| {' / '.join(_bytes(b) for b in r['formula_bytes_per_rank'])} "
-                f"| {' / '.join(_bytes(b) for b in r['received_bytes_per_rank'])} "
-                f"| {_bytes(r['grad_allreduce_bytes'])} |"
+                f"| {' / '.join(fmt_bytes(b) for b in r['gathered_bytes_per_rank'])} "
+                f"| {' / '.join(fmt_bytes(b) for b in r['formula_bytes_per_rank'])} "
+                f"| {' / '.join(fmt_bytes(b) for b in r['received_bytes_per_rank'])} "
+                f"| {fmt_bytes(r['grad_allreduce_bytes'])} |"
             )
         out["measured"] = rows
     a = assumptions or ModelAssumptions()
@@ -322,8 +319,8 @@ def report(
         lines.append(
             f"| {r['model']} ({r['parameters'] / 1e6:.3g}M) | {r['blocks']} | {r['frequency']} "
             f"| {r['ranks']} | {'fp32' if r['dtype_bytes'] == 4 else 'bf16'} "
-            f"| {_bytes(r['received_balanced'])} | {_bytes(r['received_padded'])} "
-            f"| {_secs(r['comm_s'])} | {_secs(r['compute_s'])} | {r['balance']:.2f} |"
+            f"| {fmt_bytes(r['received_balanced'])} | {fmt_bytes(r['received_padded'])} "
+            f"| {fmt_seconds(r['comm_s'])} | {fmt_seconds(r['compute_s'])} | {r['balance']:.2f} |"
         )
     out["model"] = {"assumptions": asdict(a), "rows": table}
     out["markdown"] = "\n".join(lines)

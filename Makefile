@@ -5,13 +5,16 @@ PY := $(VENV)/bin/python
 # A plain `torch` requirement can pull a multi-GB CUDA build; ask for the CPU build here.
 # Override on a GPU machine, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
+# On public PyPI, Linux torch wheels bundle CUDA; PyTorch's CPU-only wheels live on their
+# own index: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_INDEX ?=
 
 .PHONY: venv demo bench bench-quick scaling bench-kfac bench-shampoo scaling-shampoo test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev,examples]"
 	touch $@
 

@@ -158,5 +158,5 @@ def fit(
     )
     maximize = mode == "max" or (mode == "auto" and metric_name == "accuracy")
     stopping = Stopping(epochs, patience, maximize, restore_best, stop_on_terminated)
-    bar = Progress(progress, _total(data, epochs))
+    bar = Progress(progress, _total(data, epochs), epochs)
     return Loop(stepper, each_epoch, hooks, evaluate, metric_name, stopping, bar).run()

@@ -25,12 +25,15 @@ What changes without touching anything else:
 * ``lma.last_info`` holds the full :class:`secondorder.StepInfo` (λ, attempts,
   timings) of the last step, and ``so.fit(lma, (x, y))`` drives the same object with a
   progress bar and a history.
+
+The loss against steps and the fitted curve go to ``out/cupylma_migration.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -50,6 +53,7 @@ def main(argv=None):
     parser.add_argument(
         "--devices", default=None, help="comma-separated devices (default: every GPU)"
     )
+    parser.add_argument("--out", type=Path, default=Path("out"), help="folder for the plot")
     args = parser.parse_args(argv)
     if args.quick:
         args.points, args.steps = 300, 40
@@ -72,8 +76,10 @@ def main(argv=None):
     )
 
     t0 = time.perf_counter()
+    losses = []
     for step in range(1, args.steps + 1):
         loss, terminated = lma.step(x, y, slice_size=4096)
+        losses.append(loss)
         if step % max(1, args.steps // 6) == 0 or terminated:
             info = lma.last_info
             print(f"step {step:4d}  loss {loss:.3e}  λ {lma.damping:.1e}  attempts {info.attempts}")
@@ -82,6 +88,37 @@ def main(argv=None):
             break
     print(f"devices: {[str(d) for d in lma.optimizer.devices]}")
     print(f"{step} steps in {time.perf_counter() - t0:.2f} s, final MSE {loss:.2e}")
+    plot(model, x, y, losses, args.out)
+
+
+def plot(model, x, y, losses, out: Path) -> None:
+    """The loss against steps, and the fitted curve against the data."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; skipping the plot")
+        return
+    fig, (ax, fx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax.semilogy(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean r²)")
+    ax.set_title("LMA from secondorder.compat.cupylma")
+    ax.grid(True, which="both", alpha=0.3)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        fitted = model(x.to(device)).cpu()
+    fx.plot(x[:, 0], y[:, 0], "k--", linewidth=0.8, label="sinc(10x)")
+    fx.plot(x[:, 0], fitted[:, 0], label="network")
+    fx.set_xlabel("x")
+    fx.legend()
+    fig.tight_layout()
+    path = out / "cupylma_migration.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

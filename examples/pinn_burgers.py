@@ -247,8 +247,7 @@ def main(argv=None):
     )
     print(f"    ({history.stop_reason}; lowest error {history.best_validation:.3e} "
           f"after step {history.best_epoch})")  # fmt: skip
-    if not args.quick:
-        plot(model, history, args.out)
+    plot(model, history, args.out)
 
 
 def plot(model: nn.Module, history, out: Path) -> None:

@@ -13,13 +13,15 @@ Solve ``u''(x) = f(x)`` on ``[0, 1]`` with ``u(0) = u(1) = 0`` and
 vanish.  The second derivative in the input is taken with ``torch.func.hessian``
 inside a :class:`secondorder.residuals.ModelResidual`, so the optimizer can
 differentiate it once more with respect to the weights.  The relative L2 error
-against the exact solution is reported on a fine grid.
+against the exact solution is reported on a fine grid, and plotted with the solution
+in ``out/pinn_poisson.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -65,6 +67,7 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=1, help="hidden layers")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("out"), help="folder for the plot")
     args = parser.parse_args(argv)
     if args.quick:
         args.points, args.hidden, args.layers, args.steps = 32, 24, 1, 80
@@ -88,6 +91,38 @@ def main(argv=None):
         f"{history.loss[-1]:.2e}, relative L2 error {error:.3e}"
     )
     print(f"    ({history.stop_reason})")
+    plot(model, history, args.out)
+
+
+def plot(model: nn.Module, history, out: Path) -> None:
+    """The network against the exact solution, and the error against training time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; skipping the plot")
+        return
+    fig, (ax, ex) = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = torch.linspace(0, 1, 401, dtype=torch.float64).unsqueeze(1)
+    with torch.no_grad():
+        ax.plot(xs[:, 0], model(xs)[:, 0], label="network")
+    ax.plot(xs[:, 0], exact(xs)[:, 0], "k--", linewidth=0.8, label="sin(πx) + sin(4πx)")
+    ax.set_xlabel("x")
+    ax.set_ylabel("u(x)")
+    ax.set_title("u'' = f on [0, 1], u(0) = u(1) = 0")
+    ax.legend()
+    ex.semilogy([e.time for e in history.epochs], history.validation)
+    ex.set_xlabel("training time (s)")
+    ex.set_ylabel("relative L2 error")
+    ex.set_title(f"Levenberg-Marquardt, {len(history)} steps")
+    ex.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = out / "pinn_poisson.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ def main(argv=None):
     ax.legend()
     ax.set_ylabel("MSE")
     ax.set_title(f"sinc(10x), {args.points} points, {opt.num_parameters} parameters")
+    fig.tight_layout()  # after the title: history.plot laid the figure out without one
     path = args.out / "sinc_curve_fit.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

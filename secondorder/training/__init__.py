@@ -6,7 +6,7 @@ adapt Levenberg-Marquardt and ``torch.optim`` optimizers, and new families plug 
 writing one.
 """
 
-from .callbacks import Callback, CSVLogger, TensorBoardLogger
+from .callbacks import Callback, CSVLogger, LoggerCallback, TensorBoardLogger
 from .fit import fit
 from .history import EpochRecord, History, StepRecord
 from .protocol import StepResult, TrainingStep
@@ -18,6 +18,7 @@ __all__ = [
     "EpochRecord",
     "History",
     "LMStep",
+    "LoggerCallback",
     "StepRecord",
     "StepResult",
     "TensorBoardLogger",

@@ -1,9 +1,11 @@
-"""Hooks into :func:`fit <secondorder.training.fit>`: :class:`Callback` and two loggers.
+"""Hooks into :func:`fit <secondorder.training.fit>`: :class:`Callback` and three loggers.
 
 :class:`CSVLogger` writes a row per step (and per epoch); :class:`TensorBoardLogger`
-writes scalars.  A Levenberg-Marquardt run logs the columns and tags it always has (λ,
-attempts, gain ratio, stage timings, ...); any other optimizer logs the common fields
-and the numbers in its records' ``details``.
+writes scalars; :class:`LoggerCallback` hands the same scalars, as a dict, to any
+function of the shape ``log(metrics, step)`` (``mlflow.log_metrics``, ``wandb.log``).
+A Levenberg-Marquardt run logs the columns and tags it always has (λ, attempts, gain
+ratio, stage timings, ...); any other optimizer logs the common fields and the numbers
+in its records' ``details``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import IO, Any
 from ..lm import LevenbergMarquardt, StepInfo
 from .history import EpochRecord, History, StepRecord
 
-__all__ = ["CSVLogger", "Callback", "TensorBoardLogger", "as_callbacks"]
+__all__ = ["CSVLogger", "Callback", "LoggerCallback", "TensorBoardLogger", "as_callbacks"]
 
 TIMING_KEYS = ("linearize", "solve_and_trials", "total")
 
@@ -229,6 +231,27 @@ class CSVLogger(Callback):
         self._files, self._fresh = [], []
 
 
+def step_scalars(record: StepRecord, info: Any) -> Sequence[tuple[str, float]]:
+    """The numbers a step logs, as ``(name, value)`` pairs.
+
+    Levenberg-Marquardt: ``loss``, ``damping``, ``attempts``, ``cg_iterations`` (CG
+    solver) and ``time/<stage>``; other optimizers: ``loss`` and the numbers in the
+    record's ``details`` (``lr``, or ``lr/0``, ``lr/1``, ... with several groups).
+    """
+    if isinstance(info, StepInfo):
+        out = [("loss", info.loss), ("damping", info.damping), ("attempts", info.attempts)]
+        if info.solver == "cg":
+            out.append(("cg_iterations", info.cg_iterations))
+        return out + [(f"time/{k}", v) for k, v in info.timings.items()]
+    out = [("loss", record.loss)]
+    for key, value in _flat(record.details).items():
+        values = value if isinstance(value, tuple) else (value,)
+        for i, v in enumerate(values):
+            if isinstance(v, (int, float)):
+                out.append((key if len(values) == 1 else f"{key}/{i}", v))
+    return out
+
+
 class TensorBoardLogger(Callback):
     """Log the loss, the optimizer's own numbers and validation to TensorBoard.
 
@@ -253,23 +276,9 @@ class TensorBoardLogger(Callback):
         self.writer = SummaryWriter(log_dir=str(log_dir))
         self.prefix = prefix
 
-    def _scalars(self, record: StepRecord, info: Any) -> Sequence[tuple[str, float]]:
-        if isinstance(info, StepInfo):
-            out = [("loss", info.loss), ("damping", info.damping), ("attempts", info.attempts)]
-            if info.solver == "cg":
-                out.append(("cg_iterations", info.cg_iterations))
-            return out + [(f"time/{k}", v) for k, v in info.timings.items()]
-        out = [("loss", record.loss)]
-        for key, value in _flat(record.details).items():
-            values = value if isinstance(value, tuple) else (value,)
-            for i, v in enumerate(values):
-                if isinstance(v, (int, float)):
-                    out.append((key if len(values) == 1 else f"{key}/{i}", v))
-        return out
-
     def on_step(self, record: StepRecord, info: Any) -> bool | None:
         """Log the step's scalars at its step number."""
-        for tag, value in self._scalars(record, info):
+        for tag, value in step_scalars(record, info):
             self.writer.add_scalar(f"{self.prefix}{tag}", value, record.step)
         return None
 
@@ -282,3 +291,75 @@ class TensorBoardLogger(Callback):
     def on_train_end(self, history: History) -> None:
         """Flush and close the writer."""
         self.writer.close()
+
+
+EVERY = ("epoch", "step", "both")
+
+
+class LoggerCallback(Callback):
+    """Send the metrics of each epoch (or step) to any logger: ``log(metrics, step)``.
+
+    ``log`` is called with a dict of floats and the step number, the shape of
+    ``mlflow.log_metrics`` and ``wandb.log``, so either plugs in directly and neither
+    is a dependency of secondorder::
+
+        import mlflow
+        with mlflow.start_run():
+            so.fit(opt, data, epochs=50, validation=(xv, yv),
+                   callbacks=[so.training.LoggerCallback(mlflow.log_metrics)])
+
+        import wandb
+        run = wandb.init(project="lm")
+        so.fit(opt, data, epochs=50, callbacks=[so.training.LoggerCallback(wandb.log)])
+        run.finish()
+
+    Any other logger takes a two-line function, e.g. for a ``SummaryWriter``:
+    ``lambda metrics, step: [writer.add_scalar(k, v, step) for k, v in metrics.items()]``.
+
+    An epoch logs ``epoch``, ``epoch_loss`` (the mean of its step losses), ``time``
+    (training seconds) and ``validation`` (when measured), the fields of its
+    :class:`~secondorder.training.EpochRecord`.  A step logs the scalars
+    :class:`TensorBoardLogger` writes: ``loss`` and, for Levenberg-Marquardt,
+    ``damping``, ``attempts``, ``time/<stage>`` (``cg_iterations`` with CG); for other
+    optimizers the numbers in the record's ``details`` (``lr``).  Both use the optimizer
+    step as ``step`` (an epoch: its last step), so steps never decrease, as W&B
+    requires; with ``every="both"`` an epoch's metrics share the step of its last step.
+
+    Args:
+        log: called as ``log(metrics, step)``; what it returns is ignored.
+        every: ``"epoch"`` (one call per epoch, the usual choice), ``"step"`` (one per
+            optimizer step, for long epochs of mini-batches) or ``"both"``.
+        prefix: put before every name, e.g. ``"lm/"`` to keep several runs apart.
+    """
+
+    def __init__(
+        self, log: Callable[[dict[str, float], int], Any], every: str = "epoch", prefix: str = ""
+    ) -> None:
+        if not callable(log):
+            raise TypeError(
+                f"log must be a function log(metrics: dict, step: int), got {log!r}; "
+                "for example mlflow.log_metrics or wandb.log"
+            )
+        if every not in EVERY:
+            raise ValueError(f"Unknown every={every!r}; valid choices are {EVERY}.")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {prefix!r}")
+        self.log, self.every, self.prefix = log, every, prefix
+
+    def _send(self, metrics: Iterable[tuple[str, float]], step: int) -> None:
+        self.log({f"{self.prefix}{k}": float(v) for k, v in metrics}, step)
+
+    def on_step(self, record: StepRecord, info: Any) -> bool | None:
+        """Log the step's scalars (with ``every="step"`` or ``"both"``)."""
+        if self.every != "epoch":
+            self._send(step_scalars(record, info), record.step)
+        return None
+
+    def on_epoch(self, record: EpochRecord) -> bool | None:
+        """Log the epoch's loss, time and validation (with ``every="epoch"`` or ``"both"``)."""
+        if self.every != "step":
+            metrics = [("epoch", record.epoch), ("epoch_loss", record.loss), ("time", record.time)]
+            if record.validation is not None:
+                metrics.append(("validation", record.validation))
+            self._send(metrics, record.step)
+        return None

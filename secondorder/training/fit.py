@@ -18,8 +18,9 @@ epochs, or when a callback asks.
 
 Every step becomes a :class:`StepRecord` in the returned :class:`History`; callbacks see
 each step as it happens (:class:`CSVLogger` writes them to a file,
-:class:`TensorBoardLogger` to TensorBoard when it is installed).  The optimizer is driven
-through a :class:`~secondorder.training.TrainingStep` (see
+:class:`TensorBoardLogger` to TensorBoard when it is installed, :class:`LoggerCallback`
+to any ``log(metrics, step)`` function such as ``mlflow.log_metrics`` or ``wandb.log``).
+The optimizer is driven through a :class:`~secondorder.training.TrainingStep` (see
 :mod:`secondorder.training.protocol`), chosen from its type.
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 from torch import Tensor
 
 from .._validation import check_integer
-from .callbacks import Callback, CSVLogger, TensorBoardLogger, as_callbacks
+from .callbacks import Callback, CSVLogger, LoggerCallback, TensorBoardLogger, as_callbacks
 from .data import batches, is_single_batch
 from .history import EpochRecord, History, StepRecord
 from .loop import Loop, Stopping
@@ -44,6 +45,7 @@ __all__ = [
     "Callback",
     "EpochRecord",
     "History",
+    "LoggerCallback",
     "StepRecord",
     "TensorBoardLogger",
     "fit",
@@ -123,7 +125,8 @@ def fit(
             returning the scalar loss, averaged over the batch.
         preconditioner: for a ``torch.optim`` optimizer, an object with ``step()`` (or
             a function) that rewrites ``.grad`` between backward and the step (K-FAC).
-        callbacks: :class:`Callback` objects (e.g. :class:`CSVLogger`) or functions
+        callbacks: :class:`Callback` objects (e.g. :class:`CSVLogger`,
+            :class:`LoggerCallback` for MLflow or W&B) or functions
             ``cb(info)`` called with each step's info (LM: its
             :class:`~secondorder.lm.StepInfo`, else the :class:`StepRecord`);
             returning ``True`` stops training.
@@ -158,5 +161,5 @@ def fit(
     )
     maximize = mode == "max" or (mode == "auto" and metric_name == "accuracy")
     stopping = Stopping(epochs, patience, maximize, restore_best, stop_on_terminated)
-    bar = Progress(progress, _total(data, epochs))
+    bar = Progress(progress, _total(data, epochs), epochs)
     return Loop(stepper, each_epoch, hooks, evaluate, metric_name, stopping, bar).run()

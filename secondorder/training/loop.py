@@ -65,7 +65,6 @@ class Loop:
         self.stale = 0
         self.spent_validating = 0.0
         self.step = 0
-        self.shown = ""
         self.stop = ""
         self.t0 = 0.0
 
@@ -110,7 +109,7 @@ class Loop:
         )
         self.history.steps.append(record)
         if self.bar.enabled:
-            self.bar.update(record, self.stopping.epochs, self.stepper.describe(record), self.shown)
+            self.bar.update(record, self.stepper.describe(record), self.evaluate is not None)
         info = record if result.info is None else result.info
         for hook in self.hooks:
             if hook.on_step(record, info) is True:
@@ -136,8 +135,7 @@ class Loop:
             validation=value,
         )
         self.history.epochs.append(record)
-        if value is not None:
-            self.shown = f"  val {self.history.metric} {value:.4g}"
+        self.bar.epoch(record, self.history.metric)
         for hook in self.hooks:
             if hook.on_epoch(record) is True and not self.stop:
                 self.stop = f"stopped by callback {type(hook).__name__}"

@@ -339,7 +339,7 @@ def _weighting(sigma: Any, m: int) -> Weight:
             )
 
         def whiten(r: Tensor) -> Tensor:
-            return torch.linalg.solve_triangular(L, r.reshape(-1, 1), upper=False)[:, 0]
+            return torch.linalg.solve_triangular(L.to(r.dtype), r.reshape(-1, 1), upper=False)[:, 0]
 
         return whiten
     raise ValueError(
@@ -386,7 +386,7 @@ def _torch_residuals(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -
 
     def check(pred: Any) -> Tensor:
         t = pred if isinstance(pred, Tensor) else as_float64(pred, "f(xdata, *p)")
-        t = t.reshape(-1).to(torch.float64)
+        t = t.reshape(-1).to(torch.complex128 if t.is_complex() else torch.float64)
         if t.numel() != m and m != 1:
             raise ValueError(
                 f"f(xdata, *p) returned {t.numel()} values but ydata has {m}; they must match"
@@ -406,7 +406,9 @@ def _numpy_residuals(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -
     y_np = y.numpy()
 
     def residuals(q: Any) -> Any:
-        pred = np.asarray(f(x_np, *q), dtype=np.float64).reshape(-1)
+        raw = np.asarray(f(x_np, *q))
+        # A complex q is jac="cs" probing f at x + ih: keep the imaginary part.
+        pred = raw.reshape(-1).astype(np.complex128 if np.iscomplexobj(raw) else np.float64)
         if pred.size != m and m != 1:
             raise ValueError(
                 f"f(xdata, *p) returned {pred.size} values but ydata has {m}; they must match"

@@ -265,8 +265,8 @@ def _user_jacobian(
             raw = raw.to_dense()
         J = torch.as_tensor(np.asarray(raw, dtype=np.float64) if numpy_fun else raw)
         if tuple(J.shape) != (m, n):
-            if J.numel() == m * n and m * n > 0 and (min(m, n) == 1):
-                J = J.reshape(m, n)  # scipy's atleast_2d: (n,) for one residual
+            if J.ndim <= 1 and J.numel() == m * n:
+                J = J.reshape(m, n)  # scipy's atleast_2d: a 1-D J for one residual
             else:
                 raise ValueError(
                     f"jac returned shape {tuple(J.shape)}; expected (m, n) = ({m}, {n}) "

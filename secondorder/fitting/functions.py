@@ -292,9 +292,10 @@ def finite_difference(
     one evaluation per column); ``"cs"`` the complex step ``Im f(x + i h eᵢ) / h`` (no
     cancellation, so exact to rounding; ``complex_fun`` evaluates ``f`` at complex
     points); any other scheme is the central difference ``(f(x + h eᵢ) - f(x - h eᵢ)) /
-    2h`` (error O(h²), two evaluations per column).  The step is scipy's
-    ``h = s·sign(xᵢ)·max(1, |xᵢ|)`` with ``s = rel_step`` or, by default, ``√eps``
-    ("2-point", "cs") or ``eps^⅓`` (central); ``eps`` is the precision ``fun`` computes
+    2h`` (error O(h²), two evaluations per column).  The step is scipy's: ``h =
+    rel_step·sign(xᵢ)·|xᵢ|`` for a given ``rel_step``, else ``h = s·sign(xᵢ)·max(1,
+    |xᵢ|)`` with ``s = √eps`` ("2-point", "cs") or ``eps^⅓`` (central); ``eps`` is the
+    precision ``fun`` computes
     in (:func:`output_eps`): a float32 ``fun`` needs steps about 2900 times longer than
     a float64 one, or ``f(x + h eᵢ) - f(x)`` is rounding noise.  With a ``sparsity``
     pattern, structurally orthogonal columns (:func:`column_groups`) share one
@@ -306,9 +307,13 @@ def finite_difference(
 
     def jac(x: Tensor, f0: Tensor | None = None) -> Tensor:
         n = x.numel()
-        rel = rel_step if rel_step is not None else torch.full_like(x, default)
         sign = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
-        h = rel * sign * torch.clamp(x.abs(), min=1.0)
+        h = default * sign * torch.clamp(x.abs(), min=1.0)
+        if rel_step is not None:
+            # A requested relative step is relative to |x| itself (scipy's rule), unless
+            # that step vanishes (x = 0).
+            given = rel_step * sign * x.abs()
+            h = torch.where((x + given) - x == 0, h, given)
         h = (x + h) - x  # a step the arithmetic represents exactly
         if scheme == "2-point" and f0 is None:
             f0 = fun(x)

@@ -20,8 +20,6 @@ MESSAGES = {
     4: "Both `ftol` and `xtol` termination conditions are satisfied.",
 }
 
-_DEFAULTS: dict[str, Any] = {"damping": 0.0, "reason": "", "history": list}
-
 
 class OptimizeResult(dict[str, Any]):
     """The result of :func:`least_squares`: a dict whose keys are also attributes.
@@ -47,16 +45,11 @@ class OptimizeResult(dict[str, Any]):
             4 ftol and xtol (-1: the Jacobian became non-finite).
         message: a sentence for ``status``.
         success: ``status > 0``.
+        nit: iterations (each ends with an accepted step or a stop).
         damping: λ at the end (specific to secondorder).
         reason: the engine's account of how the last iteration ended.
         history: the cost at the start and after each accepted step.
     """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        for key, default in _DEFAULTS.items():
-            if key not in self and "x" in self:
-                self[key] = default() if callable(default) else default
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -320,7 +320,7 @@ class _ReportData:
             f"    status             = {self.status} ({self.message})",
             f"    success            = {self.success}",
             f"    function evals     = {self.nfev}",
-            f"    Jacobian evals     = {self.njev}",
+            f"    Jacobian evals     = {self.njev if self.njev >= 0 else 'not reported'}",
             f"    data points        = {self.ndata}",
             f"    variables          = {self.nvarys}",
             f"    degrees of freedom = {self.ndata - self.nvarys}",

@@ -596,6 +596,8 @@ def test_fit_report_is_a_string_with_its_fields() -> None:
     assert isinstance(report, str) and isinstance(report, FitReport)
     assert ("fit:\n" + report).startswith("fit:\n[[Fit statistics]]")
     assert str(report) == report.text() and "[[Warnings]]" not in report
+    # method=None is scipy's "lm", which reports no Jacobian count with differences.
+    assert info["njev"] is None and "Jacobian evals     = not reported" in report
     assert report.params["b"] == pytest.approx(float(info["result"].x[1]))
     with pytest.raises(AttributeError, match="FitReport is read-only: cannot set cost"):
         report.cost = 1.0  # type: ignore[misc]

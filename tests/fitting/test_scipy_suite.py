@@ -61,6 +61,11 @@ import pytest
 
 import secondorder as so
 
+scipy = pytest.importorskip("scipy")
+if tuple(int(v) for v in scipy.__version__.split(".")[:2]) < (1, 17):
+    # The exclusions below were decided on 1.17's files; older files test what their
+    # scipy did and carry other tests.
+    pytest.skip(f"recorded against scipy 1.17, found {scipy.__version__}", allow_module_level=True)
 tls = pytest.importorskip("scipy.optimize.tests.test_least_squares")
 tmp = pytest.importorskip("scipy.optimize.tests.test_minpack")
 

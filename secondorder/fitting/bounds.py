@@ -66,18 +66,30 @@ def _bound_vector(name: str, b: Any, n: int) -> Tensor:
 class BoxTransform:
     """The map ``y ↦ x`` for box bounds, its inverse and derivatives (identity if unbounded).
 
+    With a ``scale`` (``least_squares``'s array ``x_scale``) the solver's variable is
+    ``u = y / scale``: an identity damping matrix in ``u`` is ``diag(1/scale²)`` in
+    ``y``, MINPACK's fixed scaling, and the step tests measure ``u``.
+
     Attributes:
         lb, ub: the bounds (``±inf`` where a side is open).
         lo, hi, both: where a lower bound, an upper bound, or both are finite.
-        any: whether any coordinate is bounded at all.
+        bounded: whether any coordinate is bounded at all.
+        scale: the fixed scaling of the free variable, or ``None``.
+        any: whether the map is not the identity (bounded or scaled).
     """
 
-    def __init__(self, lb: Tensor, ub: Tensor) -> None:
+    def __init__(self, lb: Tensor, ub: Tensor, scale: Tensor | None = None) -> None:
         self.lb, self.ub = lb, ub
         self.lo = torch.isfinite(lb)
         self.hi = torch.isfinite(ub)
         self.both = self.lo & self.hi
-        self.any = bool((self.lo | self.hi).any())
+        self.bounded = bool((self.lo | self.hi).any())
+        self.scale = scale
+        self.any = self.bounded or scale is not None
+
+    def _free(self, u: Tensor) -> Tensor:
+        """The unscaled free variable ``y = scale·u``."""
+        return u if self.scale is None else u * self.scale
 
     def _finite_ends(self) -> tuple[Tensor, Tensor]:
         """The bounds with their infinite ends replaced by 0 (masked out by ``where``)."""
@@ -87,7 +99,8 @@ class BoxTransform:
 
     def to_x(self, y: Tensor) -> Tensor:
         """The feasible point ``x(y)``."""
-        if not self.any:
+        y = self._free(y)
+        if not self.bounded:
             return y
         lb, ub = self._finite_ends()
         root = torch.sqrt(y * y + 1)
@@ -98,17 +111,21 @@ class BoxTransform:
 
     def to_y(self, x: Tensor) -> Tensor:
         """A ``y`` with ``x(y) = x``: ``y ≥ 0``, or ``|y| ≤ π/2`` where two-sided."""
-        if not self.any:
-            return x
+        if not self.bounded:
+            return x if self.scale is None else x / self.scale
         lb, ub = self._finite_ends()
         width = torch.where(self.both, ub - lb, torch.ones_like(ub))
         two = torch.arcsin(torch.clamp(2 * (x - lb) / width - 1, -1.0, 1.0))
         low = torch.sqrt(torch.clamp((x - lb + 1) ** 2 - 1, min=0.0))
         high = torch.sqrt(torch.clamp((ub - x + 1) ** 2 - 1, min=0.0))
-        return torch.where(self.both, two, torch.where(self.lo, low, torch.where(self.hi, high, x)))
+        y = torch.where(self.both, two, torch.where(self.lo, low, torch.where(self.hi, high, x)))
+        return y if self.scale is None else y / self.scale
 
     def derivatives(self, y: Tensor) -> tuple[Tensor, Tensor]:
         """``(x'(y), x''(y))`` elementwise (ones and zeros where x is unbounded)."""
+        if self.scale is not None:
+            d1, d2 = BoxTransform(self.lb, self.ub).derivatives(self._free(y))
+            return d1 * self.scale, d2 * self.scale**2
         width = torch.where(self.both, self.ub - self.lb, torch.zeros_like(self.ub))
         root = torch.sqrt(y * y + 1)
         one, zero = torch.ones_like(y), torch.zeros_like(y)

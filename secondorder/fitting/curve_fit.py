@@ -22,8 +22,16 @@ import torch
 from torch import Tensor
 
 from .arrays import as_float64
+from .bounds import parse_bounds
 from .least_squares import least_squares
-from .report import FitReport, correlation, covariance, fit_report, standard_errors
+from .report import (
+    FitReport,
+    correlation,
+    covariance,
+    fit_report,
+    pivoted_qr,
+    standard_errors,
+)
 
 __all__ = [
     "FitReport",
@@ -67,9 +75,9 @@ def curve_fit(
         popt, pcov = so.curve_fit(decay, t, y, p0=[1.0, 0.1])
         perr = np.sqrt(np.diag(pcov))
 
-    A model written with torch operations is differentiated exactly (forward mode);
-    one written with NumPy gets finite differences.  Bounds are honoured by a change of
-    variables, so every ``method`` runs the same solver.
+    A model written with torch operations is differentiated exactly (forward mode), or
+    by the finite differences ``jac`` names; one written with NumPy gets finite
+    differences.  One call of ``f`` with tensors decides which it is.
 
     (Over 80 lines only because this docstring lists scipy's arguments; the body is a
     sequence of named steps.)
@@ -78,27 +86,37 @@ def curve_fit(
         f: ``f(x, p1, ..., pn)`` returning predictions with ``ydata``'s size.
         xdata: the independent variable, passed to ``f`` as given (converted to a
             float64 tensor or array when it is numeric).
-        ydata: the data, ``m`` values.
+        ydata: the data, ``m`` values, or a scalar that ``f``'s output is compared
+            with elementwise (scipy's broadcast).
         p0: initial parameters (default all ones, their number read from ``f``'s
-            signature).  A tensor ``p0`` makes ``popt`` and ``pcov`` tensors.
-        sigma: ``m`` standard deviations of ``ydata`` (residuals are divided by
-            them), or an ``(m, m)`` covariance matrix of ``ydata`` (residuals are
-            whitened by its Cholesky factor).
+            signature; with bounds, a feasible point as scipy picks it: the middle of
+            two-sided bounds, one inside a one-sided bound).  A tensor ``p0`` makes
+            ``popt`` and ``pcov`` tensors.
+        sigma: a scalar or ``m`` standard deviations of ``ydata`` (residuals are
+            divided by them), or an ``(m, m)`` covariance matrix of ``ydata``
+            (residuals are whitened by its Cholesky factor).
         absolute_sigma: ``True`` when ``sigma`` is in the data's units, so ``pcov`` is
             ``(JᵀJ)⁻¹`` unscaled; ``False`` scales it by the reduced chi-square.
-        check_finite: refuse NaN or inf in the data (default ``True``).
+        check_finite: refuse NaN or inf in the data (default ``True``, ``False`` when
+            a ``nan_policy`` is given).
         bounds: ``(lb, ub)`` or a ``scipy.optimize.Bounds``.
-        method: ``None``, ``"lm"``, ``"trf"`` or ``"dogbox"``; accepted for
-            compatibility, all run secondorder's LM.
+        method: ``"lm"``, ``"trf"``, ``"dogbox"`` or ``None`` (scipy's: "lm" without
+            bounds, else "trf"; "trf" also when a robust ``loss`` is passed), with
+            :func:`~secondorder.least_squares`'s meaning: all run secondorder's LM, and
+            "lm" refuses bounds and more parameters than data points, as scipy does.
         jac: ``None`` (exact derivatives for a torch ``f``), ``"2-point"``,
-            ``"3-point"``, or ``jac(x, p1, ..., pn) -> (m, n)`` of ``f`` itself.
-        full_output: also return ``infodict`` (``nfev``, ``fvec``, ``result``: the
-            full :class:`~secondorder.least_squares.OptimizeResult`, for
-            :func:`fit_report`), ``mesg`` and ``ier``.
-        nan_policy: ``None`` or ``"raise"`` (NaN in the data raises).
+            ``"3-point"``, ``"cs"``, or ``jac(x, p1, ..., pn) -> (m, n)`` of ``f``.
+        full_output: also return ``infodict``, ``mesg`` and ``ier``.  ``infodict`` has
+            scipy's ``nfev`` and ``fvec`` and MINPACK's ``fjac``, ``ipvt`` and ``qtf``
+            (see :func:`pivoted_qr`), plus ``njev`` and ``result`` (the full
+            :class:`~secondorder.fitting.OptimizeResult`, for :func:`fit_report`).
+        nan_policy: ``None``; ``"raise"`` (NaN in the data raises); ``"omit"`` (points
+            where ``xdata`` or ``ydata`` is NaN are dropped, with their ``sigma``);
+            ``"propagate"`` is refused, as scipy refuses it.
         **kwargs: passed to :func:`~secondorder.least_squares` (``ftol``, ``xtol``,
-            ``gtol``, ``max_nfev``, ``loss``, ``f_scale``, ...); scipy's ``maxfev``
-            is read as ``max_nfev``.
+            ``gtol``, ``max_nfev``, ``loss``, ``f_scale``, ``x_scale``, ``diff_step``,
+            ...); scipy's ``maxfev`` is read as ``max_nfev``.  Not ``args`` or
+            ``kwargs``: ``f`` takes its parameters only.
 
     Returns:
         ``(popt, pcov)``, or ``(popt, pcov, infodict, mesg, ier)`` with
@@ -108,23 +126,34 @@ def curve_fit(
         RuntimeError: when the solver stops on its evaluation budget, as scipy's does.
     """
     kwargs = _check_call(f, method, nan_policy, absolute_sigma, kwargs)
-    p = _initial_parameters(f, p0)
-    y, x = _data(xdata, ydata, check_finite=check_finite, nan_policy=nan_policy)
+    lb, ub = parse_bounds(bounds, _parameter_count(f, p0))
+    p = _initial_parameters(f, p0, lb, ub)
+    method = _method(method, lb, ub, kwargs)
+    y, x, sigma = _data(xdata, ydata, sigma, check_finite=check_finite, nan_policy=nan_policy)
+    if method == "lm" and y.numel() != 1 and p.numel() > y.numel():
+        raise TypeError(
+            f"The number of func parameters={p.numel()} must not exceed the number of data "
+            f"points={y.numel()} with method='lm' (as in scipy): pass fewer parameters or "
+            "more data, or method='trf'"
+        )
     weight = _weighting(sigma, y.numel())
-    use_torch = not callable(jac) and jac not in ("2-point", "3-point")
-    use_torch = use_torch and _torch_friendly(f, x, p)
+    use_torch = _torch_friendly(f, x, p)
     residuals: Callable[[Any], Any]
     ls_jac: str | Callable[..., Any] = "auto"
     x_start: Any
     if use_torch:
         residuals, x_start = _torch_residuals(f, x, y, weight), p
+        if callable(jac):
+            ls_jac = _torch_jacobian(jac, x, weight, shape=(y.numel(), p.numel()))
+        elif jac is not None:
+            ls_jac = jac
     else:
         residuals, x_start = _numpy_residuals(f, x, y, weight), p.numpy()
         if callable(jac):
             ls_jac = _numpy_jacobian(jac, x, weight, shape=(y.numel(), p.numel()))
         elif jac is not None:
             ls_jac = jac
-    res = least_squares(residuals, x_start, jac=ls_jac, bounds=bounds, **kwargs)
+    res = least_squares(residuals, x_start, jac=ls_jac, bounds=(lb, ub), method=method, **kwargs)
     return _outputs(
         res, absolute_sigma=absolute_sigma, tensors=isinstance(p0, Tensor), full_output=full_output
     )
@@ -146,17 +175,48 @@ def _check_call(
         raise TypeError(f"f must be callable, got {f!r}")
     if method not in METHODS:
         raise ValueError(f"Unknown method={method!r}; valid choices are {METHODS}.")
-    if nan_policy not in (None, "raise"):
+    if nan_policy == "propagate":
         raise ValueError(
-            f"Unsupported nan_policy={nan_policy!r}; valid choices are (None, 'raise')."
+            "`nan_policy='propagate'` is not supported by this function (as in scipy): NaN "
+            "data would make every residual NaN; pass nan_policy='omit' to drop those points"
         )
+    if nan_policy not in (None, "raise", "omit"):
+        raise ValueError(f"nan_policy must be one of {{None, 'raise', 'omit'}}, got {nan_policy!r}")
     if not isinstance(absolute_sigma, bool):
         raise TypeError(f"absolute_sigma must be True or False, got {absolute_sigma!r}")
+    for name in ("args", "kwargs"):
+        if name in kwargs:
+            raise ValueError(
+                f"'{name}' is not a supported keyword argument of curve_fit (as in scipy): f "
+                f"is called as f(xdata, *params), got {name}={kwargs[name]!r}; bind extra "
+                "arguments with functools.partial or a lambda"
+            )
     if "maxfev" in kwargs:
         kwargs.setdefault("max_nfev", kwargs.pop("maxfev"))
-    if "x_scale" in kwargs or "diff_step" in kwargs or "tr_solver" in kwargs:
-        raise TypeError("x_scale, diff_step and tr_solver of scipy's trf are not supported")
+    if "bounds" in kwargs or "method" in kwargs:  # pragma: no cover - named parameters
+        raise AssertionError("bounds and method are parameters of curve_fit")
     return kwargs
+
+
+def _method(method: str | None, lb: Tensor, ub: Tensor, kwargs: dict[str, Any]) -> str:
+    """Scipy's choice for ``method=None``: "lm" unless bounds (or a robust loss) need "trf"."""
+    bounded = bool((torch.isfinite(lb) | torch.isfinite(ub)).any())
+    if method == "lm" and bounded:
+        raise ValueError(
+            "Method 'lm' only works for unconstrained problems (as in scipy): use 'trf' or "
+            "'dogbox' with bounds, or drop bounds"
+        )
+    if method is not None:
+        return method
+    robust = kwargs.get("loss", "linear") != "linear"
+    return "trf" if bounded or robust else "lm"
+
+
+def _parameter_count(f: Callable[..., Any], p0: Any) -> int:
+    """How many parameters: ``p0``'s size, else read from ``f``'s signature."""
+    if p0 is None:
+        return _count_params(f)
+    return _initial_parameters(f, p0, None, None).numel()
 
 
 def _count_params(f: Callable[..., Any]) -> int:
@@ -178,10 +238,22 @@ def _count_params(f: Callable[..., Any]) -> int:
     return len(args) - 1
 
 
-def _initial_parameters(f: Callable[..., Any], p0: Any) -> Tensor:
-    """``p0`` as a non-empty 1-D float64 tensor (all ones, counted from ``f``, for ``None``)."""
+def _initial_parameters(
+    f: Callable[..., Any], p0: Any, lb: Tensor | None, ub: Tensor | None
+) -> Tensor:
+    """``p0`` as a non-empty 1-D float64 tensor; for ``None`` a feasible point (scipy's).
+
+    Without bounds the default is all ones; with bounds each parameter starts at the
+    middle of a two-sided bound, one above a lower bound, one below an upper bound.
+    """
     if p0 is None:
-        return torch.ones(_count_params(f), dtype=torch.float64)
+        p = torch.ones(_count_params(f), dtype=torch.float64)
+        if lb is not None and ub is not None:
+            lo, hi = torch.isfinite(lb), torch.isfinite(ub)
+            p = torch.where(lo & hi, 0.5 * (lb + ub), p)
+            p = torch.where(lo & ~hi, lb + 1, p)
+            p = torch.where(~lo & hi, ub - 1, p)
+        return p
     p = as_float64(p0, "p0")
     if p.ndim == 0:
         p = p.reshape(1)
@@ -191,15 +263,23 @@ def _initial_parameters(f: Callable[..., Any], p0: Any) -> Tensor:
 
 
 def _data(
-    xdata: Any, ydata: Any, *, check_finite: bool | None, nan_policy: str | None
-) -> tuple[Tensor, Any]:
-    """``(y, x)``: ``ydata`` flat float64; ``xdata`` as float64 when numeric, else as given."""
+    xdata: Any, ydata: Any, sigma: Any, *, check_finite: bool | None, nan_policy: str | None
+) -> tuple[Tensor, Any, Any]:
+    """``(y, x, sigma)``: ``ydata`` flat float64; ``xdata`` float64 when numeric.
+
+    ``check_finite`` defaults to ``True``, or ``False`` when a ``nan_policy`` is given
+    (scipy's rule); ``nan_policy="omit"`` drops the points where ``xdata`` (along its
+    last axis) or ``ydata`` is NaN, and the matching entries of ``sigma``.
+    """
     y = as_float64(ydata, "ydata").reshape(-1)
     if y.numel() == 0:
         raise ValueError("ydata must not be empty")
-    finite_check = check_finite if check_finite is not None else True
-    if (finite_check or nan_policy == "raise") and not bool(torch.isfinite(y).all()):
-        raise ValueError("ydata contains NaN or inf (check_finite=True)")
+    finite_check = check_finite if check_finite is not None else nan_policy is None
+    if finite_check and not bool(torch.isfinite(y).all()):
+        raise ValueError(
+            "ydata contains NaN or inf (check_finite=True): clean the data, or pass "
+            "nan_policy='omit' to drop NaN points"
+        )
     x: Any = xdata
     if isinstance(xdata, (Tensor, np.ndarray, list, tuple, int, float)):
         try:
@@ -207,16 +287,42 @@ def _data(
         except TypeError:
             x = xdata
         if isinstance(x, Tensor) and finite_check and not bool(torch.isfinite(x).all()):
-            raise ValueError("xdata contains NaN or inf (check_finite=True)")
-    return y, x
+            raise ValueError(
+                "xdata contains NaN or inf (check_finite=True): clean the data, or pass "
+                "nan_policy='omit' to drop NaN points"
+            )
+    if nan_policy is None:
+        return y, x, sigma
+    x_nan = torch.zeros_like(y, dtype=torch.bool)
+    if isinstance(x, Tensor) and x.ndim >= 1 and x.shape[-1] == y.numel():
+        x_nan = torch.isnan(x).reshape(-1, y.numel()).any(0)
+    nan = x_nan | torch.isnan(y)
+    if nan_policy == "raise":
+        if bool(nan.any()):
+            raise ValueError(
+                f"The input contains nan values ({int(nan.sum())} points, nan_policy='raise'): "
+                "clean the data, or pass nan_policy='omit' to drop them"
+            )
+        return y, x, sigma
+    keep = ~nan
+    if isinstance(x, Tensor) and x.ndim >= 1 and x.shape[-1] == y.numel():
+        x = x[..., keep]
+    if sigma is not None:
+        s = as_float64(sigma, "sigma")
+        if s.shape == (y.numel(),):
+            sigma = s[keep]
+        elif s.shape == (y.numel(), y.numel()):
+            sigma = s[keep][:, keep]
+    return y[keep], x, sigma
 
 
 def _weighting(sigma: Any, m: int) -> Weight:
-    """``r ↦ W r``: identity, ``r / sigma`` for ``m`` deviations, ``L⁻¹ r`` for ``sigma = L Lᵀ``."""
+    """``r ↦ W r``: identity, ``r / sigma`` for a scalar or ``m`` deviations, ``L⁻¹ r``."""
     if sigma is None:
         return _unweighted
     s = as_float64(sigma, "sigma")
-    if s.shape == (m,):
+    if s.numel() == 1 or s.shape == (m,):
+        s = s.reshape(-1)
         if not bool((torch.isfinite(s) & (s > 0)).all()):
             raise ValueError("sigma must be finite and > 0 everywhere")
         inv = 1.0 / s
@@ -233,11 +339,12 @@ def _weighting(sigma: Any, m: int) -> Weight:
             )
 
         def whiten(r: Tensor) -> Tensor:
-            return torch.linalg.solve_triangular(L, r.reshape(-1, 1), upper=False)[:, 0]
+            return torch.linalg.solve_triangular(L.to(r.dtype), r.reshape(-1, 1), upper=False)[:, 0]
 
         return whiten
     raise ValueError(
-        f"sigma must have shape ({m},) or ({m}, {m}) to match ydata, got {tuple(s.shape)}"
+        f"sigma must be a scalar or have shape ({m},) or ({m}, {m}) to match ydata, got "
+        f"{tuple(s.shape)}"
     )
 
 
@@ -279,8 +386,8 @@ def _torch_residuals(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -
 
     def check(pred: Any) -> Tensor:
         t = pred if isinstance(pred, Tensor) else as_float64(pred, "f(xdata, *p)")
-        t = t.reshape(-1).to(torch.float64)
-        if t.numel() != m:
+        t = t.reshape(-1).to(torch.complex128 if t.is_complex() else torch.float64)
+        if t.numel() != m and m != 1:
             raise ValueError(
                 f"f(xdata, *p) returned {t.numel()} values but ydata has {m}; they must match"
             )
@@ -299,8 +406,10 @@ def _numpy_residuals(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -
     y_np = y.numpy()
 
     def residuals(q: Any) -> Any:
-        pred = np.asarray(f(x_np, *q), dtype=np.float64).reshape(-1)
-        if pred.size != m:
+        raw = np.asarray(f(x_np, *q))
+        # A complex q is jac="cs" probing f at x + ih: keep the imaginary part.
+        pred = raw.reshape(-1).astype(np.complex128 if np.iscomplexobj(raw) else np.float64)
+        if pred.size != m and m != 1:
             raise ValueError(
                 f"f(xdata, *p) returned {pred.size} values but ydata has {m}; they must match"
             )
@@ -313,15 +422,37 @@ def _numpy_jacobian(
     jac: Callable[..., Any], x: Any, weight: Weight, *, shape: tuple[int, int]
 ) -> Callable[[Any], Any]:
     """``q ↦ W·jac(x, *q)``: the user's Jacobian of ``f``, weighted like the residuals."""
-    m, n = shape
     x_np = x.numpy() if isinstance(x, Tensor) else x
+    weighted = _weighted_jacobian(jac, weight, shape)
 
-    def weighted(q: Any) -> Any:
-        J = as_float64(jac(x_np, *q), "jac(xdata, *p)")
-        if J.shape != (m, n):
+    def call(q: Any) -> Any:
+        return weighted(jac(x_np, *q)).numpy()
+
+    return call
+
+
+def _torch_jacobian(
+    jac: Callable[..., Any], x: Any, weight: Weight, *, shape: tuple[int, int]
+) -> Callable[[Tensor], Tensor]:
+    """``q ↦ W·jac(x, *q)`` for a torch ``f``: ``jac`` gets tensors, as ``f`` does."""
+    weighted = _weighted_jacobian(jac, weight, shape)
+
+    def call(q: Tensor) -> Tensor:
+        return weighted(jac(x, *q.unbind(0)))
+
+    return call
+
+
+def _weighted_jacobian(
+    jac: Callable[..., Any], weight: Weight, shape: tuple[int, int]
+) -> Callable[[Any], Tensor]:
+    m, n = shape
+
+    def weighted(raw: Any) -> Tensor:
+        J = as_float64(raw, "jac(xdata, *p)")
+        if J.ndim != 2 or J.shape[1] != n or (J.shape[0] != m and m != 1):
             raise ValueError(f"jac(xdata, *p) must return shape ({m}, {n}), got {tuple(J.shape)}")
-        cols = [weight(J[:, j]) for j in range(n)]
-        return torch.stack(cols, dim=1).numpy()
+        return torch.stack([weight(J[:, j]) for j in range(n)], dim=1)
 
     return weighted
 
@@ -338,5 +469,16 @@ def _outputs(
     out_pcov = pcov if tensors else pcov.numpy()
     if not full_output:
         return out_popt, out_pcov
-    infodict = {"nfev": res.nfev, "fvec": res.fun, "result": res}
+    fjac, ipvt, qtf = pivoted_qr(
+        as_float64(res.jac, "jac").numpy(), as_float64(res.fun, "fun").numpy()
+    )
+    infodict = {
+        "nfev": res.nfev,
+        "njev": res.njev,
+        "fvec": res.fun,
+        "fjac": fjac,
+        "ipvt": ipvt,
+        "qtf": qtf,
+        "result": res,
+    }
     return out_popt, out_pcov, infodict, res.message, res.status

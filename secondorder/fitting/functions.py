@@ -21,6 +21,8 @@ from torch.func import jacfwd, jacrev
 __all__ = [
     "CallCounter",
     "JacobianFn",
+    "check_sparsity",
+    "column_groups",
     "finite_difference",
     "flat_residuals",
     "jacobian_function",
@@ -119,27 +121,45 @@ def jacobian_function(
     kwargs: dict[str, Any],
     eps: float = float(torch.finfo(torch.float64).eps),
     counter: CallCounter | None = None,
+    rel_step: Tensor | None = None,
+    sparsity: Tensor | None = None,
+    dense_only: bool = False,
 ) -> JacobianFn:
     """``x ↦ J(x)``, ``(m, n)``, by the strategy ``jac`` names.
 
-    A callable is the user's Jacobian (checked for shape); a NumPy ``fun`` or
-    ``"2-point"``/``"3-point"`` take finite differences of ``residuals``; otherwise
+    A callable is the user's Jacobian (checked for shape; a scipy.sparse matrix is made
+    dense unless ``dense_only``); a NumPy ``fun`` or ``"2-point"``/``"3-point"``/``"cs"``
+    take finite differences of ``residuals`` (grouped by ``sparsity``); otherwise
     ``torch.func`` differentiates it: forward mode when residuals outnumber parameters
     (``"auto"`` with ``m ≥ n``: n JVPs), reverse mode otherwise (m VJPs).  Either
     transform calls ``fun`` once per Jacobian; those calls are booked on ``counter``'s
     ``jacobian_calls`` (njev), not as value evaluations.
     """
     if callable(jac):
-        user = _user_jacobian(jac, numpy_fun=numpy_fun, shape=shape, args=args, kwargs=kwargs)
+        user = _user_jacobian(
+            jac, numpy_fun=numpy_fun, shape=shape, args=args, kwargs=kwargs, dense_only=dense_only
+        )
 
         def given(x: Tensor, f0: Tensor | None = None) -> Tensor:
             return user(x)
 
         return given
-    if numpy_fun or jac in ("2-point", "3-point"):
+    if numpy_fun or jac in ("2-point", "3-point", "cs"):
         # A NumPy fun with jac="fwd" or "rev" gets the central scheme: any name other than
-        # "2-point" is central in finite_difference (kept as it was).
-        return finite_difference(residuals, "2-point" if jac == "auto" else str(jac), eps=eps)
+        # "2-point" and "cs" is central in finite_difference (kept as it was).
+        scheme = "2-point" if jac == "auto" else str(jac)
+        complex_fun = None
+        if scheme == "cs":
+            call = counter if counter is not None else None
+            complex_fun = _complex_residuals(call, numpy_fun=numpy_fun, args=args, kwargs=kwargs)
+        return finite_difference(
+            residuals,
+            scheme,
+            eps=eps,
+            rel_step=rel_step,
+            sparsity=sparsity,
+            complex_fun=complex_fun,
+        )
     m, n = shape
     mode = jac if jac != "auto" else ("fwd" if m >= n else "rev")
     transform: Fn = jacfwd(residuals) if mode == "fwd" else jacrev(residuals)
@@ -154,6 +174,63 @@ def jacobian_function(
     return autodiff
 
 
+def _complex_residuals(
+    fun: Callable[..., Any] | None, *, numpy_fun: bool, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Callable[[Tensor], Tensor]:
+    """``x ↦ fun(x)`` for a complex ``x``, flat complex128 (for the complex-step scheme)."""
+    assert fun is not None
+
+    def call(x: Tensor) -> Tensor:
+        arg: Any = x.numpy() if numpy_fun else x
+        out = fun(arg, *args, **kwargs)
+        arr = out.detach().resolve_conj().numpy() if isinstance(out, Tensor) else np.asarray(out)
+        if not np.iscomplexobj(arr):
+            raise TypeError(
+                f"jac='cs' (complex step) needs fun to keep the imaginary part of a complex x, "
+                f"but fun returned dtype {arr.dtype}: pass jac='2-point' or '3-point'"
+            )
+        return torch.from_numpy(np.asarray(arr, dtype=np.complex128).reshape(-1).copy())
+
+    return call
+
+
+def check_sparsity(pattern: Any, shape: tuple[int, int]) -> Tensor:
+    """``jac_sparsity`` (dense or scipy.sparse) as an ``(m, n)`` boolean tensor."""
+    dense = pattern.toarray() if hasattr(pattern, "toarray") else pattern
+    try:
+        arr = np.atleast_2d(np.asarray(dense, dtype=np.float64))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"jac_sparsity must be an (m, n) 0/1 array, got {pattern!r}") from exc
+    if arr.shape != shape:
+        raise ValueError(
+            f"jac_sparsity has wrong shape {arr.shape}; expected (m, n) = {shape} "
+            "(residuals by parameters)"
+        )
+    return torch.from_numpy(arr != 0)
+
+
+def column_groups(pattern: Tensor) -> list[list[int]]:
+    """Columns of ``pattern`` in groups that share no row (structurally orthogonal).
+
+    Greedy in column order: each column joins the first group whose rows it does not
+    touch.  Perturbing a group's columns at once changes each row through one column
+    only, so one evaluation gives every column of the group.
+    """
+    groups: list[list[int]] = []
+    rows: list[Tensor] = []
+    for j in range(pattern.shape[1]):
+        col = pattern[:, j]
+        for g, used in enumerate(rows):
+            if not bool((used & col).any()):
+                groups[g].append(j)
+                rows[g] = used | col
+                break
+        else:
+            groups.append([j])
+            rows.append(col.clone())
+    return groups
+
+
 def _user_jacobian(
     jac: Callable[..., Any],
     *,
@@ -161,6 +238,7 @@ def _user_jacobian(
     shape: tuple[int, int],
     args: Sequence[Any],
     kwargs: dict[str, Any],
+    dense_only: bool = False,
 ) -> Fn:
     """The user's ``jac(x, *args, **kwargs)`` as a float64 tensor, checked to be ``(m, n)``."""
     m, n = shape
@@ -170,48 +248,93 @@ def _user_jacobian(
         raw = jac(arg, *args, **kwargs)
         if raw is None:
             raise ValueError("jac returned None; expected an (m, n) array")
+        if hasattr(raw, "matvec") and hasattr(raw, "rmatvec"):
+            raise ValueError(
+                f"jac returned a {type(raw).__name__}; LinearOperator Jacobians are not "
+                "supported (the solver needs J's entries): return a dense or scipy.sparse "
+                "matrix, or drop jac to use finite differences"
+            )
+        if hasattr(raw, "toarray"):  # scipy.sparse: the solvers are dense
+            if dense_only:
+                raise ValueError(
+                    "method='lm' works only with dense Jacobian matrices (as in scipy), but jac "
+                    f"returned a {type(raw).__name__}: pass method='trf' (it makes it dense)"
+                )
+            raw = raw.toarray()
+        if isinstance(raw, Tensor) and raw.layout != torch.strided:
+            raw = raw.to_dense()
         J = torch.as_tensor(np.asarray(raw, dtype=np.float64) if numpy_fun else raw)
         if tuple(J.shape) != (m, n):
-            raise ValueError(
-                f"jac returned shape {tuple(J.shape)}; expected (m, n) = ({m}, {n}) "
-                "(residuals by parameters)"
-            )
+            if J.ndim <= 1 and J.numel() == m * n:
+                J = J.reshape(m, n)  # scipy's atleast_2d: a 1-D J for one residual
+            else:
+                raise ValueError(
+                    f"jac returned shape {tuple(J.shape)}; expected (m, n) = ({m}, {n}) "
+                    "(residuals by parameters)"
+                )
         return J.to(torch.float64)
 
     return user_jac
 
 
 def finite_difference(
-    fun: Fn, scheme: str, *, eps: float = float(torch.finfo(torch.float64).eps)
+    fun: Fn,
+    scheme: str,
+    *,
+    eps: float = float(torch.finfo(torch.float64).eps),
+    rel_step: Tensor | None = None,
+    sparsity: Tensor | None = None,
+    complex_fun: Callable[[Tensor], Tensor] | None = None,
 ) -> JacobianFn:
-    """The Jacobian of ``fun`` by finite differences, one column per parameter.
+    """The Jacobian of ``fun`` by finite differences, one evaluation per group of columns.
 
-    ``"2-point"`` is the forward difference ``(f(x + h eᵢ) - f(x)) / h`` with
-    ``h = √eps·max(1, |xᵢ|)`` (error O(h), one evaluation per column); any other scheme
-    is the central difference ``(f(x + h eᵢ) - f(x - h eᵢ)) / 2h`` with
-    ``h = eps^(1/3)·max(1, |xᵢ|)`` (error O(h²), two evaluations per column).
-    ``eps`` is the precision ``fun`` computes in (:func:`output_eps`): a float32 ``fun``
-    needs steps about 2900 times longer than a float64 one, or ``f(x + h eᵢ) - f(x)``
-    is rounding noise.  The forward scheme takes ``f(x)`` from ``f0`` when the caller
-    already has it (so a Jacobian costs n calls of ``fun``, as MINPACK's does).
+    ``"2-point"`` is the forward difference ``(f(x + h eᵢ) - f(x)) / h`` (error O(h),
+    one evaluation per column); ``"cs"`` the complex step ``Im f(x + i h eᵢ) / h`` (no
+    cancellation, so exact to rounding; ``complex_fun`` evaluates ``f`` at complex
+    points); any other scheme is the central difference ``(f(x + h eᵢ) - f(x - h eᵢ)) /
+    2h`` (error O(h²), two evaluations per column).  The step is scipy's: ``h =
+    rel_step·sign(xᵢ)·|xᵢ|`` for a given ``rel_step``, else ``h = s·sign(xᵢ)·max(1,
+    |xᵢ|)`` with ``s = √eps`` ("2-point", "cs") or ``eps^⅓`` (central); ``eps`` is the
+    precision ``fun`` computes
+    in (:func:`output_eps`): a float32 ``fun`` needs steps about 2900 times longer than
+    a float64 one, or ``f(x + h eᵢ) - f(x)`` is rounding noise.  With a ``sparsity``
+    pattern, structurally orthogonal columns (:func:`column_groups`) share one
+    evaluation.  The forward scheme takes ``f(x)`` from ``f0`` when the caller already
+    has it (so a Jacobian costs n calls of ``fun``, as MINPACK's does).
     """
+    default = eps ** (1 / 3) if scheme == "3-point" else math.sqrt(eps)
+    groups = None if sparsity is None else column_groups(sparsity)
 
     def jac(x: Tensor, f0: Tensor | None = None) -> Tensor:
+        n = x.numel()
+        sign = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+        h = default * sign * torch.clamp(x.abs(), min=1.0)
+        if rel_step is not None:
+            # A requested relative step is relative to |x| itself (scipy's rule), unless
+            # that step vanishes (x = 0).
+            given = rel_step * sign * x.abs()
+            h = torch.where((x + given) - x == 0, h, given)
+        h = (x + h) - x  # a step the arithmetic represents exactly
         if scheme == "2-point" and f0 is None:
             f0 = fun(x)
-        cols = []
-        for i in range(x.numel()):
+        J: Tensor | None = None
+        for cols in groups if groups is not None else [[j] for j in range(n)]:
+            e = torch.zeros_like(x)
+            e[cols] = h[cols]
             if scheme == "2-point":
-                h = math.sqrt(eps) * max(1.0, abs(float(x[i])))
-                e = torch.zeros_like(x)
-                e[i] = h
                 assert f0 is not None
-                cols.append((fun(x + e) - f0) / h)
+                diff, div = fun(x + e) - f0, 1.0
+            elif scheme == "cs":
+                assert complex_fun is not None
+                diff, div = complex_fun(x + 1j * e).imag.to(x.dtype), 1.0
             else:
-                h = eps ** (1 / 3) * max(1.0, abs(float(x[i])))
-                e = torch.zeros_like(x)
-                e[i] = h
-                cols.append((fun(x + e) - fun(x - e)) / (2 * h))
-        return torch.stack(cols, dim=1)
+                diff, div = fun(x + e) - fun(x - e), 2.0
+            if J is None:
+                J = torch.zeros(diff.numel(), n, dtype=torch.float64)
+            for j in cols:
+                col = diff / (div * h[j])
+                J[:, j] = col if sparsity is None else torch.where(sparsity[:, j], col, 0.0)
+        assert J is not None
+        return J
 
     return jac

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..lm.linalg import NormalEquations
 from .bounds import BoxTransform
 from .functions import CallCounter, JacobianFn
-from .losses import doubled_cost, rho
+from .losses import Loss, doubled_cost, rho
 
 __all__ = ["FunctionProblem", "is_finite_system"]
 
@@ -59,7 +59,7 @@ class FunctionProblem:
         fun: Callable[[Tensor], Tensor],
         jac: JacobianFn | Callable[[Tensor], Tensor],
         bounds: BoxTransform,
-        loss: str,
+        loss: Loss,
         f_scale: float,
         *,
         need_gram: bool,
@@ -78,6 +78,8 @@ class FunctionProblem:
         self.loss = loss
         self.f_scale = f_scale
         self.njev = 0
+        #: whether the Jacobian comes from finite differences (set by the builder).
+        self.differences = False
         self.last: tuple[Tensor, Tensor] | None = None
         self.base: tuple[Tensor, Tensor, Tensor] | None = None
         self.row_scale: Tensor | None = None
@@ -153,7 +155,7 @@ class FunctionProblem:
     def _robust_rows(self, f: Tensor, J: Tensor) -> tuple[Tensor, Tensor]:
         """Triggs' rescaled ``(r, Js)`` for a robust loss (``(f, J)`` for the linear one)."""
         self.row_scale = None
-        if self.loss == "linear":
+        if isinstance(self.loss, str) and self.loss == "linear":
             return f, J
         z = (f / self.f_scale) ** 2
         _, rho1, rho2 = rho(self.loss, z)

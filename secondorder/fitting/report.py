@@ -40,6 +40,7 @@ __all__ = [
     "correlation",
     "covariance",
     "fit_report",
+    "pivoted_qr",
     "standard_errors",
 ]
 
@@ -80,6 +81,53 @@ def _unscaled_covariance(J: Tensor) -> tuple[Tensor, Tensor]:
     return cov.reshape(n, n), undetermined
 
 
+def _check_result(res: Any) -> None:
+    if res is None or not all(hasattr(res, a) for a in ("jac", "cost", "x", "fun")):
+        raise TypeError(
+            f"res must be the OptimizeResult of least_squares (with x, cost, fun and jac), got "
+            f"{type(res).__name__}; from curve_fit pass full_output=True and use "
+            "infodict['result']"
+        )
+
+
+def pivoted_qr(J: np.ndarray, f: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MINPACK's ``(fjac, ipvt, qtf)`` of ``J``: the QR factorisation ``J P = Q R``.
+
+    Householder reflections with column pivoting (Businger & Golub): each step moves
+    the remaining column of largest norm to the front, as MINPACK's ``qrfac`` and
+    LAPACK's ``geqp3`` do, and gives ``R``'s diagonal the sign opposite to the pivot's
+    leading entry (both libraries' convention).  Returned as scipy's ``leastsq``
+    returns them: ``fjac`` is ``(n, m)`` with ``R = triu(fjac.T[:n])`` (the part below
+    the diagonal, where MINPACK keeps its reflectors, is zero here); ``ipvt`` holds the
+    column order ``P``, 0-based as scipy 1.17 returns it (``J[:, ipvt] = Q R``; ties
+    between equal norms may order differently); ``qtf`` is the first ``n`` entries of
+    ``Qᵀf``.
+    """
+    A = np.array(J, dtype=np.float64, copy=True)
+    b = np.array(f, dtype=np.float64, copy=True).reshape(-1)
+    m, n = A.shape
+    perm = np.arange(n)
+    for k in range(min(m, n)):
+        j = k + int(np.argmax(np.linalg.norm(A[k:, k:], axis=0)))
+        A[:, [k, j]] = A[:, [j, k]]
+        perm[[k, j]] = perm[[j, k]]
+        x = A[k:, k]
+        norm = float(np.linalg.norm(x))
+        if norm == 0.0:
+            continue
+        alpha = -math.copysign(norm, x[0])
+        v = x.copy()
+        v[0] -= alpha
+        v /= np.linalg.norm(v)
+        A[k:, k:] -= 2.0 * np.outer(v, v @ A[k:, k:])
+        b[k:] -= 2.0 * v * (v @ b[k:])
+        A[k + 1 :, k] = 0.0
+        A[k, k] = alpha
+    fjac = np.zeros((n, m))
+    fjac[:, : min(m, n)] = np.triu(A[: min(m, n)]).T
+    return fjac, perm.astype(np.int32), b[:n].copy()
+
+
 def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
     """Covariance of the fitted parameters from the Jacobian at the solution.
 
@@ -91,8 +139,9 @@ def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
     are already divided by the data's true standard deviations.
 
     With ``m ≤ n`` and ``absolute_sigma=False`` there are no degrees of freedom left to
-    estimate ``s²``; the result is filled with ``inf`` and a ``RuntimeWarning`` says so,
-    as scipy's ``curve_fit`` does.  With a robust ``loss`` the cost is the robust cost
+    estimate ``s²``; the result is filled with ``inf`` and scipy's ``OptimizeWarning``
+    (this module's :class:`UndeterminedWarning` without scipy) says so, as scipy's
+    ``curve_fit`` does.  With a robust ``loss`` the cost is the robust cost
     and ``J`` the plain Jacobian, so the result is an approximation.
 
     Args:
@@ -104,10 +153,7 @@ def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
     Returns:
         An ``(n, n)`` float64 tensor, or a NumPy array when ``res.x`` is one.
     """
-    if not all(hasattr(res, a) for a in ("jac", "cost", "x")):
-        raise TypeError(
-            f"res must be an OptimizeResult (with jac, cost and x), got {type(res).__name__}"
-        )
+    _check_result(res)
     if not isinstance(absolute_sigma, bool):
         raise TypeError(f"absolute_sigma must be True or False, got {absolute_sigma!r}")
     J = as_float64(res.jac, "res.jac")
@@ -122,7 +168,7 @@ def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
             warnings.warn(
                 f"Covariance of the parameters could not be estimated: {m} residuals "
                 f"leave no degrees of freedom for {n} parameters (absolute_sigma=False)",
-                RuntimeWarning,
+                _undetermined_category(),
                 stacklevel=2,
             )
             cov = torch.full_like(cov, math.inf)
@@ -176,10 +222,8 @@ def correlation(cov: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class FitReport:
-    """Parameters with their uncertainties and a summary of how the fit ended.
-
-    ``str(report)`` prints it; the fields are there for programs.
+class _ReportData:
+    """The fields of a :class:`FitReport` and the text they make.
 
     Attributes:
         names: parameter names.
@@ -235,9 +279,39 @@ class FitReport:
         ]
         return sorted(pairs, key=lambda p: -abs(p[2]))
 
-    def __str__(self) -> str:
+    def undetermined(self) -> list[tuple[str, str]]:
+        """``(name, why)`` for each parameter whose uncertainty cannot be determined.
+
+        As lmfit flags them: a variance that is infinite, NaN or zero, or a correlation
+        of ±1 with another parameter (the data fix only a combination of the two).
+        """
+        out = []
+        for i, (name, err) in enumerate(zip(self.names, self.stderr, strict=True)):
+            if not math.isfinite(err):
+                out.append((name, "infinite variance"))
+            elif err == 0.0:
+                out.append((name, "zero variance"))
+            else:
+                for j, other in enumerate(self.names):
+                    c = float(self.correlation[i, j])
+                    if j != i and abs(c) >= 1.0 - _UNIT_CORRELATION:
+                        out.append((name, f"correlation {c:+.4f} with {other}"))
+                        break
+        return out
+
+    def text(self) -> str:
+        """The printed report."""
         lines = self._statistics() + self._variables() + self._correlation_table()
-        return "\n".join(lines)
+        return "\n".join(lines + self._warnings())
+
+    def _warnings(self) -> list[str]:
+        """The ``[[Warnings]]`` block, empty when every uncertainty is determined."""
+        flagged = self.undetermined()
+        if not flagged:
+            return []
+        lines = ["[[Warnings]]", "    uncertainties could not be determined for:"]
+        lines += [f"    {name}: {why}" for name, why in flagged]
+        return lines
 
     def _statistics(self) -> list[str]:
         """The ``[[Fit statistics]]`` block: how the solver ended and the chi-square."""
@@ -246,7 +320,7 @@ class FitReport:
             f"    status             = {self.status} ({self.message})",
             f"    success            = {self.success}",
             f"    function evals     = {self.nfev}",
-            f"    Jacobian evals     = {self.njev}",
+            f"    Jacobian evals     = {self.njev if self.njev >= 0 else 'not reported'}",
             f"    data points        = {self.ndata}",
             f"    variables          = {self.nvarys}",
             f"    degrees of freedom = {self.ndata - self.nvarys}",
@@ -260,7 +334,7 @@ class FitReport:
         lines = ["[[Variables]]"]
         width = max(len(n) for n in self.names)
         for name, value, err in zip(self.names, self.values, self.stderr, strict=True):
-            if math.isfinite(err):
+            if math.isfinite(err) and err > 0:
                 rel = f" ({100 * abs(err / value):.2f}%)" if value != 0 else ""
                 lines.append(f"    {name:<{width}} = {value: .8g} ± {err:.4g}{rel}")
             else:
@@ -279,6 +353,55 @@ class FitReport:
         for a, b, c in pairs:
             lines.append(f"    {f'C({a}, {b})':<{pw}} = {c:+.4f}")
         return lines
+
+
+_UNIT_CORRELATION = 1e-8
+
+
+class FitReport(str):
+    """Parameters with their uncertainties and a summary of how the fit ended.
+
+    A ``str`` (the printed report, as lmfit's ``fit_report`` returns), so it prints,
+    concatenates and compares as text; its fields are attributes for programs:
+
+    Attributes:
+        names: parameter names.
+        values: fitted values (float64 NumPy array).
+        stderr: one-standard-error uncertainties.
+        covariance, correlation: ``(n, n)`` matrices.
+        cost: ``½ Σ r²`` (the robust cost with a robust loss).
+        chisqr: ``Σ r² = 2·cost``, the chi-square when residuals are weighted by the
+            data's standard deviations.
+        redchi: ``chisqr / (m - n)`` (``nan`` without degrees of freedom).
+        ndata, nvarys: residuals ``m`` and parameters ``n``.
+        nfev, njev: residual and Jacobian evaluations (``njev`` -1 when not reported).
+        status, message, success: how the solver ended, in scipy's terms.
+        absolute_sigma: which residual variance scaled the covariance.
+        min_correlation: correlations at or below this magnitude are not printed.
+    """
+
+    _data: _ReportData
+
+    def __new__(cls, **fields: Any) -> FitReport:
+        """Build the report from :class:`_ReportData`'s fields (keywords)."""
+        data = _ReportData(**fields)
+        obj = super().__new__(cls, data.text())
+        object.__setattr__(obj, "_data", data)
+        return obj
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(object.__getattribute__(self, "_data"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"FitReport is read-only: cannot set {name}")
+
+    def __repr__(self) -> str:
+        return f"FitReport({str(self)!r})"
+
+    def __str__(self) -> str:
+        return str.__str__(self)
 
 
 def fit_report(
@@ -302,6 +425,7 @@ def fit_report(
         absolute_sigma: see :func:`covariance`.
         min_correlation: print correlations whose magnitude exceeds this (in [0, 1]).
     """
+    _check_result(res)
     x = as_float64(res.x, "res.x").reshape(-1)
     n = x.numel()
     names = _check_names(names, n)
@@ -328,7 +452,7 @@ def fit_report(
         ndata=m,
         nvarys=n,
         nfev=int(res.nfev),
-        njev=int(res.njev),
+        njev=-1 if res.njev is None else int(res.njev),
         status=int(res.status),
         message=str(res.message),
         success=bool(res.success),

@@ -707,7 +707,6 @@ _X = torch.zeros(2, dtype=F64)
     [
         (_f, torch.zeros(2, 2, dtype=F64), {}, ValueError, r"non-empty 1-D.*shape \(2, 2\)"),
         (_f, np.zeros((2, 2)), {}, ValueError, r"non-empty 1-D.*shape \(2, 2\)"),
-        (_f, torch.tensor(1.0, dtype=F64), {}, ValueError, r"non-empty 1-D.*shape \(\)"),
         (_f, torch.zeros(0, dtype=F64), {}, ValueError, r"non-empty 1-D.*shape \(0,\)"),
         (_f, [], {}, ValueError, r"non-empty 1-D.*shape \(0,\)"),
         (_f, torch.tensor([0.0, math.nan]), {}, ValueError, r"x0 must be finite.*nan"),
@@ -726,7 +725,7 @@ _X = torch.zeros(2, dtype=F64)
         (_f, _X, {"bounds": (1.0, 2.0)}, ValueError, r"x0 is infeasible.*lb=\[1\.0, 1\.0\]"),
         (_f, _X, {"bounds": (-1.0, [2.0, -0.5])}, ValueError, r"x0 is infeasible"),
         (_f, _X, {"loss": "l2"}, ValueError, r"Unknown loss='l2'.*'soft_l1', 'huber'"),
-        (_f, _X, {"jac": "cs"}, ValueError, r"Unknown jac='cs'.*'2-point', '3-point'"),
+        (_f, _X, {"jac": "oops"}, ValueError, r"Unknown jac='oops'.*'2-point', '3-point', 'cs'"),
         (_f, _X, {"solver": "lu"}, ValueError, r"Unknown solver='lu'.*'qr', 'cg'"),
         (
             _f,

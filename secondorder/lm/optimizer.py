@@ -522,20 +522,34 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         """
         return write_state_dict(self._checkpoint(), self.config, self._shapes(), self._function.n)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
         """Restore a :meth:`state_dict` (format 2, or format 1 of earlier releases).
 
-        Refuses one from another model or an unknown format; a refused checkpoint
-        leaves the optimizer exactly as it was.
+        Every entry is checked first, as the constructor checks its arguments; a
+        refused checkpoint leaves the optimizer exactly as it was.  Refused: another
+        model's checkpoint, an unknown format, a bad number (``lr`` of inf, λ above
+        ``damping_max``, a NaN or wrong-length scale), and one written with other
+        settings: the error names each difference.  Build the optimizer with
+        ``**secondorder.lm.checkpoint.saved_settings(state_dict)`` to resume the
+        saved run, or pass ``strict=False`` to keep this optimizer's settings (the
+        damping rule and matrix must still match: the saved λ, ν and scale belong
+        to them).  ``lr``, the initial ``damping`` and the layout settings
+        (``slice_size``, ``memory_budget``, ``memory_limit``) may always differ;
+        ``lr`` is restored from the checkpoint, as torch.optim does.
         """
-        ckpt = read_state_dict(state_dict, self._shapes(), self._function.n, len(self.param_groups))
+        ckpt = read_state_dict(
+            state_dict,
+            self._shapes(),
+            self._function.n,
+            len(self.param_groups),
+            self.config,
+            strict=strict,
+        )
         p0 = self._function.params[0]
         home = self._function.group.solver
-        self._damping = DampingState(
-            damping=ckpt.damping,
-            nu=ckpt.nu,
-            scale=None if ckpt.scale is None else ckpt.scale.to(device=home, dtype=p0.dtype),
-        )
+        scale = None if ckpt.scale is None else ckpt.scale.to(device=home, dtype=p0.dtype)
+        # Everything is validated and converted: nothing below can fail.
+        self._damping = DampingState(damping=ckpt.damping, nu=ckpt.nu, scale=scale)
         self._steps = ckpt.steps
         for group, lr in zip(self.param_groups, ckpt.lrs, strict=True):
             group["lr"] = lr

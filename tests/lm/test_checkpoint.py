@@ -113,7 +113,10 @@ def test_checkpoint_file_of_format1_loads() -> None:
     assert old["format_version"] == 1 and "state" not in old
     model, x, y = small()
     model.load_state_dict(ckpt["model"])
-    opt = so.LevenbergMarquardt(model, **FORMAT1_OPTIONS)
+    # The file's own settings (robust to later changes of the defaults).
+    settings = saved_settings(old)
+    assert FORMAT1_OPTIONS.items() <= settings.items()
+    opt = so.LevenbergMarquardt(model, **settings)
     opt.load_state_dict(old)
     new = entries(opt.state_dict())
     assert torch.equal(new.pop("scale"), old["scale"])
@@ -121,7 +124,7 @@ def test_checkpoint_file_of_format1_loads() -> None:
     # The same checkpoint in format 2 resumes the same run.
     twin_model = small()[0]
     twin_model.load_state_dict(ckpt["model"])
-    twin = so.LevenbergMarquardt(twin_model, **FORMAT1_OPTIONS)
+    twin = so.LevenbergMarquardt(twin_model, **settings)
     twin.load_state_dict(roundtrip(opt.state_dict()))
     assert_lockstep(opt, twin, x, y)
 

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
+from .._validation import check_number
 from .model import ModelFunction, batch_size_of, frozen_batch_stats, slice_tree, to_device
-from .residuals import ModelResidual
+from .residuals import ModelResidual, describe
 
 __all__ = ["check_batch", "check_step"]
 
@@ -34,7 +35,9 @@ def check_step(
 
     With several ranks, one small all-reduce tells every rank whether any rank's
     batch was rejected, so that all of them raise (the rejecting rank its own
-    error) instead of leaving the others waiting in the next collective.
+    error) instead of leaving the others waiting in the next collective.  The same
+    all-reduce carries each rank's ``lr``: a learning rate changed on one rank only
+    would make the ranks' parameters diverge, so every rank raises the same error.
     """
     reducer = function.reducer
     error: Exception | None = None
@@ -49,9 +52,14 @@ def check_step(
         function.check_unchanged()
         _check_param_groups(function, param_groups)
         batch, m = check_batch(function, inputs, targets, any_device=any_device)
-        lr = float(param_groups[0]["lr"])
-        if not lr > 0:
-            raise ValueError(f"Invalid lr={lr!r} in param_groups[0]: must be > 0.")
+        lr = param_groups[0]["lr"]
+        try:
+            check_number("lr", lr, above=0)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Invalid lr={lr!r} in param_groups[0]: must be a finite number > 0."
+            ) from None
+        lr = float(lr)
     except Exception as exc:
         if reducer.world_size == 1:
             raise
@@ -59,19 +67,32 @@ def check_step(
     if reducer.world_size == 1:
         return batch, m, m, lr
     world = reducer.world_size
-    tally = torch.zeros(world + 1, dtype=torch.float64, device=function.group.solver)
+    # [failed flag per rank | residual count | lr per rank]; float64 holds a Python
+    # float's lr exactly, so equal settings compare equal bit for bit.
+    tally = torch.zeros(2 * world + 1, dtype=torch.float64, device=function.group.solver)
     tally[reducer.rank] = 1.0 if error is not None else 0.0
     tally[world] = float(m)
+    tally[world + 1 + reducer.rank] = lr
     reducer.sum_([tally])
     if error is not None:
         raise error
-    failed = [i for i in range(world) if bool(tally[i] > 0)]
+    values = tally.tolist()
+    failed = [i for i in range(world) if values[i] > 0]
     if failed:
         raise ValueError(
             f"step() rejected the batch on rank(s) {failed} of {world}; see the error "
             "raised there. No rank changed its parameters."
         )
-    return batch, m, int(tally[world]), lr
+    lrs = values[world + 1 :]
+    if any(v != lrs[0] for v in lrs):
+        shown = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(lrs))
+        raise ValueError(
+            f"param_groups[0]['lr'] differs across ranks ({shown}); every rank takes the "
+            "same step, so the ranks' parameters would diverge. Set the same lr on every "
+            "rank (change it, or step a scheduler, in code that runs on all ranks). No "
+            "rank changed its parameters."
+        )
+    return batch, m, int(values[world]), lr
 
 
 def _check_param_groups(function: ModelFunction, param_groups: list[dict[str, Any]]) -> None:
@@ -83,6 +104,23 @@ def _check_param_groups(function: ModelFunction, param_groups: list[dict[str, An
             f"param_groups was changed after the optimizer was built ({len(param_groups)} "
             "group(s)); LevenbergMarquardt optimizes one flat vector of the model's "
             "parameters, in one group: build a new optimizer instead of editing param_groups."
+        )
+
+
+def _check_tensors(tree: Any, name: str) -> None:
+    """Refuse arrays and other non-tensors with their type and shape, never their values."""
+    leaves, _ = tree_flatten(tree)
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor) and hasattr(leaf, "__array__"):
+            dtype = getattr(torch, str(getattr(leaf, "dtype", "")), None)
+            cast = f", dtype={dtype}" if isinstance(dtype, torch.dtype) else ""
+            raise TypeError(
+                f"{name} must be torch tensors, got a {describe(leaf)}; convert it with "
+                f"torch.as_tensor({name}{cast}) (in the model's dtype, on its device)"
+            )
+    if not any(isinstance(leaf, Tensor) for leaf in leaves):
+        raise TypeError(
+            f"{name} must be a tensor or a tuple/list/dict of tensors, got {describe(tree)}"
         )
 
 
@@ -107,6 +145,9 @@ def check_batch(
 ) -> tuple[int, int]:
     """Check the batch before anything changes; return (batch size, residual count)."""
     coupled = function.coupled_residual
+    _check_tensors(inputs, "inputs")
+    if targets is not None:
+        _check_tensors(targets, "targets")
     batch = batch_size_of(inputs, "inputs")
     if batch == 0:
         raise ValueError("inputs is an empty batch (batch size 0)")
@@ -149,7 +190,14 @@ def check_batch(
         if out.numel() == 0:
             raise ValueError("residual_fn returned no residuals")
         return batch, out.numel()
-    if out.ndim == 0 or out.shape[0] != probe:
+    if out.ndim == 0:
+        raise ValueError(
+            f"residual_fn returned a scalar (a 0-d tensor) for a batch of {probe}: "
+            "LevenbergMarquardt needs the residuals, one row per sample, whose squares sum "
+            "to the loss, not the loss itself; use one of secondorder.residuals (mse, "
+            "cross_entropy, ...) or a torch loss module such as torch.nn.MSELoss()"
+        )
+    if out.shape[0] != probe:
         raise ValueError(
             f"residual_fn must return residuals whose first dimension is the batch "
             f"({probe} for this probe), got shape {tuple(out.shape)}"

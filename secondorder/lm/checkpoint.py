@@ -15,24 +15,35 @@ parameter's index::
 Format 1 (written before) kept the same entries in one flat dict; it still loads.
 Both hold only tensors, numbers, strings, lists and dicts, so they load with
 ``torch.load(..., weights_only=True)``.
+
+:func:`read_state_dict` checks every entry before the optimizer changes anything:
+numbers as the constructor checks them, the scale as a finite non-negative n-vector,
+λ within ``damping_max``, and the saved settings against the optimizer's.  Resuming
+with other settings takes another path than the saved run would have; the error
+names each difference, and :func:`saved_settings` gives the checkpoint's settings to
+build a matching optimizer with.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from .._validation import check_number
 from .config import LMConfig
+from .jacobian import JACOBIANS
 
 __all__ = [
     "STATE_FORMAT_VERSION",
     "Checkpoint",
     "as_format1",
+    "check_settings",
     "entries",
     "read_state_dict",
+    "saved_settings",
     "write_state_dict",
 ]
 
@@ -63,6 +74,39 @@ class Checkpoint:
 #: Settings added to LMConfig after format 2, and their defaults.
 _LATER_SETTINGS: dict[str, Any] = {"cg_preconditioner": "jacobi"}
 
+#: Settings a checkpoint may differ in: the state overrides ``lr`` and ``damping`` (the
+#: initial values), and the others only change how a step's work is laid out.
+_FREE_SETTINGS = ("lr", "damping", "slice_size", "memory_budget", "memory_limit")
+
+#: Settings the saved state belongs to (ν to Nielsen's rule, the scale to Moré's
+#: matrix): a difference in them is refused even with ``strict=False``.
+_STATE_SETTINGS = ("damping_rule", "damping_matrix")
+
+
+def _settings_of(config: LMConfig) -> dict[str, Any]:
+    """``config`` as a checkpoint stores it (dtypes as strings)."""
+    cfg = asdict(config)
+    cfg["gram_dtype"] = None if config.gram_dtype is None else str(config.gram_dtype)
+    return cfg
+
+
+def saved_settings(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`~secondorder.config.LMConfig` settings a checkpoint was written with.
+
+    ``LevenbergMarquardt(model, **saved_settings(sd))`` builds an optimizer that
+    :meth:`~secondorder.lm.LevenbergMarquardt.load_state_dict` accepts ``sd`` into
+    and that continues the saved run step for step.
+    """
+    saved = entries(state_dict).get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(f"state_dict holds no settings (config={saved!r})")
+    known = {f.name for f in fields(LMConfig)}
+    out = {**_LATER_SETTINGS, **{k: v for k, v in saved.items() if k in known}}
+    dtype = out.get("gram_dtype")
+    if isinstance(dtype, str) and dtype.startswith("torch."):
+        out["gram_dtype"] = getattr(torch, dtype.removeprefix("torch."))
+    return out
+
 
 def write_state_dict(
     checkpoint: Checkpoint,
@@ -71,8 +115,7 @@ def write_state_dict(
     n: int,
 ) -> dict[str, Any]:
     """The format-2 state dict of ``checkpoint`` for parameters of ``shapes`` (n scalars)."""
-    cfg = asdict(config)
-    cfg["gram_dtype"] = None if config.gram_dtype is None else str(config.gram_dtype)
+    cfg = _settings_of(config)
     for key, default in _LATER_SETTINGS.items():
         # Settings added after format 2 appear only when set, so a checkpoint of the
         # default configuration is the one earlier releases wrote.
@@ -100,13 +143,21 @@ def write_state_dict(
 
 
 def read_state_dict(
-    state_dict: Any, shapes: list[list[int]], n: int, num_groups: int
+    state_dict: Any,
+    shapes: list[list[int]],
+    n: int,
+    num_groups: int,
+    config: LMConfig,
+    *,
+    strict: bool = True,
 ) -> Checkpoint:
-    """Validate a format-1 or format-2 state dict for parameters of ``shapes`` (n scalars).
+    """Validate a format-1 or format-2 state dict for an optimizer of ``config``.
 
-    Everything is checked before anything is returned, so a malformed checkpoint
-    leaves the optimizer exactly as it was.  A missing entry raises ``KeyError``
-    naming it.
+    The parameters have ``shapes`` (n scalars in all).  Everything is checked before
+    anything is returned, so a refused checkpoint leaves the optimizer exactly as it
+    was: the numbers as the constructor checks them (λ also ``<= damping_max``), the
+    scale, the Jacobian choices and the saved settings (:func:`check_settings`).  A
+    missing entry raises ``KeyError`` naming it.
     """
     if not isinstance(state_dict, dict) or "format_version" not in state_dict:
         raise ValueError("state_dict is not a LevenbergMarquardt state dict (no format_version)")
@@ -124,29 +175,122 @@ def read_state_dict(
             f"{flat['parameter_shapes']}, but this optimizer has {n} "
             f"of shapes {shapes}"
         )
+    check_settings(flat["config"], config, strict=strict)
     damping, nu, steps, lrs = (flat[k] for k in ("damping", "nu", "steps", "lr"))
-    for name, value in (("damping", damping), ("nu", nu)):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            raise ValueError(f"state_dict has {name}={value!r}: must be a finite number >= 0")
+    _check_entry("damping", damping, at_least=0.0)
+    if damping > config.damping_max:
+        raise ValueError(
+            f"state_dict has damping={damping:g}: must be <= damping_max="
+            f"{config.damping_max:g}; build the optimizer with the checkpoint's "
+            "damping_max (see saved_settings)"
+        )
+    # Nielsen's ν starts at 2 and doubles on each rejection.
+    _check_entry("nu", nu, at_least=2.0)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"state_dict has steps={steps!r}: must be an integer >= 0")
     if not isinstance(lrs, (list, tuple)) or len(lrs) != num_groups:
         raise ValueError(
             f"state_dict has lr={lrs!r}: must hold one value per parameter group ({num_groups})"
         )
+    for i, lr in enumerate(lrs):
+        _check_entry(f"param_groups[{i}]['lr']", lr, above=0.0)
     scale = flat["scale"]
+    _check_scale(scale, n, config.damping_matrix)
+    auto = flat["auto_jacobian"]
+    valid = tuple(j for j in JACOBIANS if j != "auto")
+    if not isinstance(auto, dict) or not all(
+        isinstance(k, str) and v in valid for k, v in auto.items()
+    ):
+        raise ValueError(
+            f"state_dict has auto_jacobian={auto!r}: must map input signatures (str) "
+            f"to one of {valid}"
+        )
     return Checkpoint(
         damping=float(damping),
         nu=float(nu),
         scale=scale,
         steps=steps,
-        lrs=list(lrs),
-        auto_jacobian=dict(flat["auto_jacobian"]),
+        lrs=[float(lr) for lr in lrs],
+        auto_jacobian=dict(auto),
+    )
+
+
+def _check_entry(
+    name: str, value: Any, *, above: float | None = None, at_least: float | None = None
+) -> None:
+    """A number of the checkpoint, checked as the constructor checks its settings."""
+    try:
+        check_number(name, value, above=above, at_least=at_least)
+    except (TypeError, ValueError):
+        bound = f"> {above:g}" if above is not None else f">= {at_least:g}"
+        raise ValueError(
+            f"state_dict has {name}={value!r}: must be a finite number {bound}"
+        ) from None
+
+
+def _check_scale(scale: Any, n: int, damping_matrix: str) -> None:
+    """Moré's running scale: None, or a finite, non-negative floating n-vector."""
+    if scale is None:
+        return
+    if damping_matrix != "more":
+        raise ValueError(
+            f"state_dict has a Moré scale but this optimizer has damping_matrix="
+            f"{damping_matrix!r}, which keeps none"
+        )
+    if not isinstance(scale, Tensor) or not scale.is_floating_point():
+        what = f"dtype {scale.dtype}" if isinstance(scale, Tensor) else type(scale).__name__
+        raise ValueError(f"state_dict has a scale of {what}: must be a floating tensor of {n}")
+    if tuple(scale.shape) != (n,):
+        raise ValueError(
+            f"state_dict has a scale of shape {tuple(scale.shape)}: must have shape ({n},), "
+            "one entry per parameter"
+        )
+    bad = int((~torch.isfinite(scale) | (scale < 0)).sum())
+    if bad:
+        raise ValueError(
+            f"state_dict has a scale with {bad} of {n} entries NaN, infinite or negative: "
+            "each must be a finite number >= 0"
+        )
+
+
+def check_settings(saved: Any, config: LMConfig, *, strict: bool = True) -> None:
+    """Refuse a checkpoint written with other settings than ``config``'s.
+
+    ``lr``, ``damping`` and the layout settings (``slice_size``, ``memory_budget``,
+    ``memory_limit``) may differ.  With ``strict=False`` only the settings the state
+    belongs to (``damping_rule``, ``damping_matrix``) must match; the optimizer's
+    own values of the others apply.  Settings the checkpoint does not hold (written
+    before they existed) take their defaults of that time.
+    """
+    if not isinstance(saved, dict):
+        raise ValueError(f"state_dict has config={saved!r}: must be a dict of settings")
+    ours = _settings_of(config)
+    theirs = {**_LATER_SETTINGS, **saved}
+    compared = _STATE_SETTINGS if not strict else tuple(k for k in ours if k not in _FREE_SETTINGS)
+    unknown = sorted(k for k in theirs if k not in ours) if strict else []
+    diffs = [
+        f"{k}={theirs[k]!r} in the checkpoint, {ours[k]!r} here"
+        for k in compared
+        if k in theirs and theirs[k] != ours[k]
+    ]
+    diffs += [
+        f"{k}={theirs[k]!r} in the checkpoint, not a setting of this secondorder" for k in unknown
+    ]
+    if not diffs:
+        return
+    state_only = all(k.split("=")[0] in _STATE_SETTINGS for k in diffs)
+    hint = (
+        ""
+        if state_only or not strict
+        else ", or load with load_state_dict(state_dict, strict=False) to keep this "
+        "optimizer's settings (except damping_rule and damping_matrix, which the saved "
+        "λ, ν and scale belong to)"
+    )
+    raise ValueError(
+        "state_dict was written with other settings than this optimizer's: "
+        + "; ".join(diffs)
+        + ". Build the optimizer with the checkpoint's settings: LevenbergMarquardt(model, "
+        "**secondorder.lm.checkpoint.saved_settings(state_dict))" + hint + "."
     )
 
 

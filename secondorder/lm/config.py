@@ -134,6 +134,12 @@ class LMConfig:
             raise ValueError(
                 f"Invalid damping_min={self.damping_min!r} >= damping_max={self.damping_max!r}."
             )
+        if self.damping > self.damping_max:
+            # A λ above the maximum would end training at the first step.
+            raise ValueError(
+                f"Invalid damping={self.damping!r} > damping_max={self.damping_max!r}: the "
+                "initial λ must be at most damping_max."
+            )
         check_choice("jacobian", self.jacobian, JACOBIANS)
         check_choice("solver", self.solver, SOLVERS)
         check_choice("form", self.form, FORMS)

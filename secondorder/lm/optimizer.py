@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..distributed import Reducer, resolve_reducer
 from ..distributed.devices import replicate_module, resolve_devices, sync_replica
@@ -34,10 +36,39 @@ from .linalg import NormalEquations
 from .model import ModelFunction, interacting_modules, to_device
 from .planner import MemoryPlan, PlanError
 from .problem import BatchSetup, ModelProblem
-from .records import LMInternals, StepInfo
-from .residuals import ModelResidual, mse
+from .records import LMInternals, SmallBatchWarning, StepInfo
+from .residuals import LossResidual, ModelResidual, describe, from_torch_loss, mse
 
-__all__ = ["STATE_FORMAT_VERSION", "LMInternals", "LevenbergMarquardt", "StepInfo"]
+__all__ = [
+    "STATE_FORMAT_VERSION",
+    "LMInternals",
+    "LevenbergMarquardt",
+    "SmallBatchWarning",
+    "StepInfo",
+]
+
+
+class _NoTargets:
+    """The default of ``step``'s ``targets``: none given (unlike an explicit ``None``)."""
+
+    def __repr__(self) -> str:
+        return "<no targets>"
+
+
+_NO_TARGETS: Any = _NoTargets()
+
+#: The steps in which the small-batch warning looks for a change of batch.
+_SMALL_BATCH_STEPS = 10
+
+
+def _is_torch_loss(obj: object) -> bool:
+    """Whether ``obj`` is one of torch's loss modules (or a subclass of one)."""
+    if not isinstance(obj, nn.modules.loss._Loss):
+        return False
+    return any(
+        c.__module__ == "torch.nn.modules.loss" and not c.__name__.startswith("_")
+        for c in type(obj).__mro__
+    )
 
 
 class LevenbergMarquardt(torch.optim.Optimizer):
@@ -64,6 +95,8 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             one of :mod:`secondorder.residuals`, or a
             :class:`~secondorder.residuals.ModelResidual` for residuals that need the
             model itself (physics-informed losses).  Default :func:`~.residuals.mse`.
+            A torch loss module (``torch.nn.MSELoss()``, ``CrossEntropyLoss()``, ...)
+            is mapped onto its adapter (:func:`~secondorder.residuals.from_torch_loss`).
         lr: scales every update.  1 is the LM step; below 1 damps it further.
         damping: the initial λ.
         devices: several devices of this process to compute on, e.g.
@@ -151,11 +184,11 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r}"
-            )
+            raise TypeError(f"model must be a torch.nn.Module, got {describe(model)}")
+        if _is_torch_loss(residual_fn):
+            residual_fn = from_torch_loss(residual_fn)  # type: ignore[arg-type]
         if not (callable(residual_fn) or isinstance(residual_fn, ModelResidual)):
-            raise TypeError(f"residual_fn must be callable, got {residual_fn!r}")
+            raise TypeError(f"residual_fn must be callable, got {describe(residual_fn)}")
         try:
             self.config = LMConfig(lr=lr, damping=damping, **options)
         except TypeError as exc:
@@ -217,6 +250,11 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         )
         self._steps = 0
         self._memory_plan: MemoryPlan | None = None
+        #: Whether the small-batch warning was given (once per optimizer).
+        self._warned_small_batch = False
+        #: A fingerprint of the last step's inputs, to tell mini-batches from one batch.
+        self._last_batch: tuple[Any, ...] | None = None
+        self._batch_marker: Tensor | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused after construction: LM optimizes one flat vector of the model's parameters.
@@ -244,7 +282,10 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             "parameter names": [k for k, _ in named],
             "parameter shapes": [tuple(p.shape) for _, p in named],
             "parameter dtype": str(named[0][1].dtype),
-            "residual_fn": getattr(residual_fn, "__qualname__", type(residual_fn).__qualname__),
+            # A mapped torch loss names the loss and its parameters.
+            "residual_fn": repr(residual_fn)
+            if isinstance(residual_fn, LossResidual)
+            else getattr(residual_fn, "__qualname__", type(residual_fn).__qualname__),
         }
         # slice_size and memory_budget only change how a rank walks its own shard.
         local_only = ("slice_size", "memory_budget")
@@ -320,7 +361,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         return setup, m_total, lr
 
     def plan(
-        self, inputs: Any, targets: Any = None, *, slice_size: int | None = None
+        self, inputs: Any, targets: Any = _NO_TARGETS, *, slice_size: int | None = None
     ) -> MemoryPlan:
         """The memory plan :meth:`step` would follow on this batch, without stepping.
 
@@ -332,6 +373,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         :class:`~secondorder.planner.PlanError` for it.  ``print(opt.plan(x, y))``
         shows the bytes of each stage.  With several ranks, call it on every rank.
         """
+        inputs, targets = _unpack_batch(inputs, targets)
         try:
             setup, _, _ = self._setup(inputs, targets, slice_size)
         except PlanError as exc:
@@ -341,19 +383,37 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         return self._memory_plan
 
     def step(  # type: ignore[override]
-        self, inputs: Any, targets: Any = None, *, slice_size: int | None = None
+        self, inputs: Any, targets: Any = _NO_TARGETS, *, slice_size: int | None = None
     ) -> StepInfo:
         """Run one LM iteration on this batch and return what it did.
+
+        ``step(x, y)``, or ``step(batch)`` with the ``(inputs, targets)`` pair a
+        :class:`~torch.utils.data.DataLoader` yields (a list or tuple of two; pass
+        ``step(pair, None)`` for a model whose single input is a pair).  One call is
+        one iteration on one batch: loop over a loader yourself (``for x, y in
+        loader: opt.step(x, y)``).  There is no closure: the optimizer evaluates
+        ``residual_fn(model(inputs), targets)`` and its Jacobian itself.
 
         ``slice_size`` overrides the configured samples per Jacobian slice for this
         call only.  The model's parameters are written only if a step is accepted; if anything
         raises during the step (the model, the residual function, an interrupt, in any
         attempt), they and the optimizer's state (λ, ν, Moré's scale, the step count,
-        ``jacobian="auto"``'s choices) are exactly as before.
+        ``jacobian="auto"``'s choices) are exactly as before.  Under
+        ``torch.no_grad()`` or ``torch.inference_mode()`` the step is the same: it
+        needs gradients and turns them on for its own duration.
         """
+        inputs, targets = _unpack_batch(inputs, targets)
+        # Which batch this is, before inference tensors are cloned (see _check_batch_size).
+        self._batch_marker = next(
+            (t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)), None
+        )
         saved = self._snapshot()
         try:
-            return self._step(inputs, targets, slice_size)
+            # Like torch.optim's steps, a step works inside no_grad/inference_mode; it
+            # differentiates the model, so it enables autograd for its own duration.
+            with torch.inference_mode(False), torch.enable_grad():
+                inputs, targets = _outside_inference(inputs), _outside_inference(targets)
+                return self._step(inputs, targets, slice_size)
         except BaseException:
             # KeyboardInterrupt included: the attempts before the failure raised λ and
             # moved the damping rule's state; a failed step must leave no trace.
@@ -384,6 +444,8 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         """:meth:`step` without its rollback."""
         t_start = time.perf_counter()
         setup, m_total, lr = self._setup(inputs, targets, slice_size)
+        if setup.form == "primal":
+            self._check_batch_size(m_total)
         for replica in self.replicas:
             sync_replica(self.model, replica)
         x = self._function.flat().to(self._function.group.solver)
@@ -420,6 +482,42 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         self._steps += 1
         timings = {"linearize": t_lin - t_start, "solve_and_trials": t_iter - t_lin}
         return self._info(prob, system, out, timings, t_start)
+
+    def _check_batch_size(self, m_total: int) -> None:
+        """Warn, once, when primal mini-batches have fewer residuals than parameters.
+
+        With m < n residuals, J has rank at most m: each step fits the batch it is
+        given, and training on a stream of such batches progresses slowly; the
+        primal form also factors an n×n matrix for it where the dual form solves
+        the same step with an m×m one.  One batch stepped repeatedly (a fit) is
+        fine, so the warning waits for a second, different batch among the first
+        steps (batches are told apart by their shape and two sums, so views of the
+        same data count as the same batch).
+        """
+        first = self._batch_marker
+        if self._warned_small_batch or m_total >= self._function.n or first is None:
+            return
+        if self._steps >= _SMALL_BATCH_STEPS:
+            return
+        with torch.no_grad():
+            v = first.detach().to(torch.float64)
+            mark = (tuple(first.shape), *torch.stack([v.sum(), (v * v).sum()]).tolist())
+        previous, self._last_batch = self._last_batch, mark
+        if previous is None or previous == mark:
+            return
+        self._warned_small_batch = True
+        n = self._function.n
+        warnings.warn(
+            f"LevenbergMarquardt: mini-batches of {m_total} residuals for {n} parameters "
+            f"in the primal form: JᵀJ has rank at most {m_total} < {n}, so each step fits "
+            "its own batch and training progresses slowly. Use batches of at least "
+            f"{n} residuals (a larger batch_size, or the whole data set per step), or "
+            "form='dual' (or 'auto'), which solves the same step as an m×m system; for "
+            "small mini-batches a first-order optimizer (torch.optim.Adam) fits better. "
+            "Shown once per optimizer.",
+            SmallBatchWarning,
+            stacklevel=4,
+        )
 
     def _refuse(
         self,
@@ -522,21 +620,77 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         """
         return write_state_dict(self._checkpoint(), self.config, self._shapes(), self._function.n)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
         """Restore a :meth:`state_dict` (format 2, or format 1 of earlier releases).
 
-        Refuses one from another model or an unknown format; a refused checkpoint
-        leaves the optimizer exactly as it was.
+        Every entry is checked first, as the constructor checks its arguments; a
+        refused checkpoint leaves the optimizer exactly as it was.  Refused: another
+        model's checkpoint, an unknown format, a bad number (``lr`` of inf, λ above
+        ``damping_max``, a NaN or wrong-length scale), and one written with other
+        settings: the error names each difference.  Build the optimizer with
+        ``**secondorder.lm.checkpoint.saved_settings(state_dict)`` to resume the
+        saved run, or pass ``strict=False`` to keep this optimizer's settings (the
+        damping rule and matrix must still match: the saved λ, ν and scale belong
+        to them).  ``lr``, the initial ``damping`` and the layout settings
+        (``slice_size``, ``memory_budget``, ``memory_limit``) may always differ;
+        ``lr`` is restored from the checkpoint, as torch.optim does.
         """
-        ckpt = read_state_dict(state_dict, self._shapes(), self._function.n, len(self.param_groups))
+        ckpt = read_state_dict(
+            state_dict,
+            self._shapes(),
+            self._function.n,
+            len(self.param_groups),
+            self.config,
+            strict=strict,
+        )
         p0 = self._function.params[0]
         home = self._function.group.solver
-        self._damping = DampingState(
-            damping=ckpt.damping,
-            nu=ckpt.nu,
-            scale=None if ckpt.scale is None else ckpt.scale.to(device=home, dtype=p0.dtype),
-        )
+        scale = None if ckpt.scale is None else ckpt.scale.to(device=home, dtype=p0.dtype)
+        # Everything is validated and converted: nothing below can fail.
+        self._damping = DampingState(damping=ckpt.damping, nu=ckpt.nu, scale=scale)
         self._steps = ckpt.steps
         for group, lr in zip(self.param_groups, ckpt.lrs, strict=True):
             group["lr"] = lr
         self._choices.auto_cache = dict(ckpt.auto_jacobian)
+
+
+def _unpack_batch(inputs: Any, targets: Any) -> tuple[Any, Any]:
+    """``step``'s arguments as ``(inputs, targets)``; loaders and closures refused."""
+    if isinstance(inputs, torch.utils.data.DataLoader) or (
+        isinstance(inputs, Iterable)
+        and not isinstance(inputs, (Tensor, list, tuple, dict, str, bytes))
+        and not hasattr(inputs, "__array__")
+    ):
+        raise TypeError(
+            f"step() takes one batch, got a {type(inputs).__name__}: loop over the loader "
+            "yourself, for x, y in loader: info = opt.step(x, y) (each call is one LM "
+            "iteration on that batch; LM works best on large batches, e.g. "
+            "DataLoader(..., batch_size=len(dataset)))"
+        )
+    if callable(inputs) and not isinstance(inputs, (Tensor, nn.Module)):
+        raise TypeError(
+            f"step() takes the batch, step(inputs, targets), not a {type(inputs).__name__}: "
+            "LevenbergMarquardt evaluates residual_fn(model(inputs), targets) and its "
+            "Jacobian itself, so it cannot use a closure that returns a loss; the loss "
+            "of the step is in the StepInfo it returns (info.loss)"
+        )
+    if targets is _NO_TARGETS:
+        if isinstance(inputs, (list, tuple)) and len(inputs) == 2:
+            # The [x, y] (or (x, y)) a DataLoader yields.
+            return inputs[0], inputs[1]
+        return inputs, None
+    return inputs, targets
+
+
+def _outside_inference(tree: Any) -> Any:
+    """``tree`` with inference tensors (made under ``inference_mode``) cloned.
+
+    Autograd cannot save an inference tensor for the backward pass; a clone made
+    outside inference mode is an ordinary tensor with the same values.
+    """
+    leaves, spec = tree_flatten(tree)
+    if not any(isinstance(t, Tensor) and t.is_inference() for t in leaves):
+        return tree
+    return tree_unflatten(
+        [t.clone() if isinstance(t, Tensor) and t.is_inference() else t for t in leaves], spec
+    )

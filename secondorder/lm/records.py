@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from .damping import DampingMatrix, DampingRule, DampingState
 from .problem import ModelProblem
 
-__all__ = ["LMInternals", "StepInfo"]
+__all__ = ["LMInternals", "SmallBatchWarning", "StepInfo"]
+
+
+class SmallBatchWarning(UserWarning):
+    """A batch with fewer residuals than parameters in the primal form (LM will crawl)."""
 
 
 @dataclass

@@ -20,7 +20,7 @@ from . import damping, jacobian, linalg, planner, residuals
 from .config import LMConfig
 from .optimizer import LevenbergMarquardt
 from .planner import MemoryPlan, PlanError
-from .records import LMInternals, StepInfo
+from .records import LMInternals, SmallBatchWarning, StepInfo
 from .residuals import ModelResidual
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "MemoryPlan",
     "ModelResidual",
     "PlanError",
+    "SmallBatchWarning",
     "StepInfo",
     "damping",
     "jacobian",

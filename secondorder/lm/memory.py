@@ -9,6 +9,7 @@ J's rows that the previous step no longer uses.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -154,15 +155,20 @@ class BufferPool:
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
         #: How many :meth:`take` calls were served by an existing buffer.
         self.reused = 0
+        # Optimizers in several threads may share a pool: check and hand out atomically.
+        self._lock = threading.Lock()
 
     def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Tensor:
         """An uninitialised tensor of ``shape``, the pooled one whenever it is free."""
-        key = (tuple(int(s) for s in shape), dtype, torch.device(device))
+        with self._lock:
+            return self._take((tuple(int(s) for s in shape), dtype, torch.device(device)))
+
+    def _take(self, key: tuple[tuple[int, ...], torch.dtype, torch.device]) -> Tensor:
         buf = self._buffers.get(key)
         if buf is not None and _storage_users(buf) == 1:
             self.reused += 1
             return buf.view(key[0])
-        buf = torch.empty(key[0], dtype=dtype, device=key[2])
+        buf = torch.empty(key[0], dtype=key[1], device=key[2])
         # One buffer per key, and only the latest: a shape seen once (the last, shorter
         # slice of an epoch) does not pin memory beside the usual one for long.
         self._buffers = {k: v for k, v in self._buffers.items() if k[0] == key[0]}
@@ -172,4 +178,5 @@ class BufferPool:
 
     def clear(self) -> None:
         """Drop every pooled buffer (the next :meth:`take` allocates)."""
-        self._buffers.clear()
+        with self._lock:
+            self._buffers.clear()

@@ -441,7 +441,8 @@ def issue17(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
     ``step_speedup_vs_tlm`` is torch-levenberg-marquardt's median s/step over
     secondorder LM's with its defaults (both in this process, on the same data);
     ``time_to_target_s`` the defaults' time to the problem's target (MSE 1e-6 on sinc).
-    Problems that did not run, or a peer that did not, give ``None``.
+    Problems that did not run (``ran`` False), a peer that did not, or a target not
+    reached give ``None``.
     """
     by_key = {pr.problem.key: pr for pr in results}
     out = []
@@ -450,14 +451,23 @@ def issue17(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
         rows = comparisons(pr) if pr is not None else []
         value = next((c[what] for c in rows if c["config"].endswith("(defaults)")), None)
         met = None if value is None else (value >= target if larger else value <= target)
-        out.append({"problem": key, "measure": what, "value": value, "target": target, "met": met})
+        out.append(
+            {
+                "problem": key,
+                "measure": what,
+                "ran": pr is not None,
+                "value": value,
+                "target": target,
+                "met": met,
+            }
+        )
     return out
 
 
 def issue17_lines(results: Sequence[ProblemResult]) -> list[str]:
     """The markdown of :func:`issue17`, with the machine, threads, load and date."""
     rows = issue17(results)
-    if all(r["value"] is None for r in rows):
+    if not any(r["ran"] for r in rows):
         return []
     now = datetime.datetime.now(datetime.timezone.utc)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
@@ -475,7 +485,14 @@ def issue17_lines(results: Sequence[ProblemResult]) -> list[str]:
         "time_to_target_s": "time to the target (s)",
     }
     for r in rows:
-        value = "not run" if r["value"] is None else f"{r['value']:.2f}"
+        if r["value"] is not None:
+            value = f"{r['value']:.2f}"
+        elif not r["ran"]:
+            value = "not run"
+        elif r["measure"] == "time_to_target_s":
+            value = "not reached"
+        else:
+            value = "peer not run"
         sign = ">=" if r["measure"] == "step_speedup_vs_tlm" else "<="
         met = "-" if r["met"] is None else ("yes" if r["met"] else "no")
         lines.append(

@@ -32,12 +32,18 @@ def test_issue17_rows_come_from_the_defaults_against_the_peer() -> None:
     dual = rows[("wide_dual", "step_speedup_vs_tlm")]
     assert dual["value"] == pytest.approx(0.5) and dual["met"] is False
     cnn = rows[("digits_cnn", "step_speedup_vs_tlm")]
-    assert cnn["value"] is None and cnn["met"] is None
+    assert cnn["value"] is None and cnn["met"] is None and not cnn["ran"]
     text = "\n".join(lm_methods.issue17_lines([sinc, wide]))
     assert "| sinc | peer s/step over ours | 3.00 | >= 2.5 | yes |" in text
     assert "| wide_dual | peer s/step over ours | 0.50 | >= 1.5 | no |" in text
     assert "| digits_cnn | peer s/step over ours | not run | >= 1.5 | - |" in text
     assert "torch threads, load average" in text and " UTC on " in text
+    # A problem that ran but missed the target, or ran without the peer.
+    never = _result("secondorder LM (defaults)", 0.1, [(0.0, 1.0), (1.0, 1e-3)])
+    missed = bench.ProblemResult(problems["sinc"], [never], [])
+    text = "\n".join(lm_methods.issue17_lines([missed]))
+    assert "| sinc | time to the target (s) | not reached | <= 3 | - |" in text
+    assert "| sinc | peer s/step over ours | peer not run | >= 2.5 | - |" in text
     # In the whole report, after the problems.
     assert "## Issue 17: secondorder LM (defaults)" in bench.markdown([sinc, wide], "# t")
 

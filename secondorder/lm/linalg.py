@@ -37,7 +37,6 @@ import torch
 from torch import Tensor
 
 from .kfac_cg import KroneckerStats
-from .memory import BufferPool
 
 __all__ = [
     "SOLVERS",
@@ -228,23 +227,6 @@ class LinearSolver:
         raise NotImplementedError
 
 
-#: ``J D^-½`` of the dual factorisations, reused from one iteration to the next while
-#: no earlier factorisation holds it.  A fresh m × n float64 matrix costs its page
-#: faults on first touch: 11-14 ms of a float64 wide_dual step (128 × 19,210, 1 thread)
-#: went to the conversion and the scaling into new buffers, against 23 ms for the product.
-_SCALED_ROWS = BufferPool()
-
-
-def _scaled_rows(jac: Tensor, inv_sqrt_d: Tensor) -> Tensor:
-    """``J·diag(inv_sqrt_d)`` in ``inv_sqrt_d``'s dtype, one pass over J into a pooled buffer.
-
-    A float32 J times a float64 scale is promoted inside the multiply: the same numbers
-    as converting J first (the conversion is exact), without the copy.
-    """
-    out = _SCALED_ROWS.take(jac.shape, inv_sqrt_d.dtype, jac.device)
-    return torch.mul(jac, inv_sqrt_d, out=out)
-
-
 def _finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
@@ -288,7 +270,7 @@ class _CholeskyDual(Factorization):
 
     def __init__(self, jac: Tensor, d: Tensor, dtype: torch.dtype) -> None:
         self.inv_sqrt_d = d.to(dtype).rsqrt()
-        self.js = _scaled_rows(jac, self.inv_sqrt_d)
+        self.js = jac.to(dtype) * self.inv_sqrt_d
         self.k = self.js @ self.js.T
 
     def _solve(self, damping: float, w: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -352,7 +334,7 @@ class _EighDual(Factorization):
 
     def __init__(self, jac: Tensor, d: Tensor, dtype: torch.dtype) -> None:
         self.inv_sqrt_d = d.to(dtype).rsqrt()
-        self.js = _scaled_rows(jac, self.inv_sqrt_d)
+        self.js = jac.to(dtype) * self.inv_sqrt_d
         evals, self.u = torch.linalg.eigh(self.js @ self.js.T)
         self.evals = torch.clamp(evals, min=0.0)
 

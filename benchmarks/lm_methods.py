@@ -20,8 +20,10 @@ problems, sinc_large against sinc scaled by the Gram's flops.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +47,7 @@ from .core import (
     Stepper,
     StepReport,
     fmt_s,
+    machine,
     only_on,
     torch_optimizer,
 )
@@ -60,6 +63,7 @@ __all__ = [
     "comparisons",
     "family",
     "flop_scaling",
+    "issue17",
     "lm_problem",
     "methods_for",
     "run_scipy",
@@ -422,6 +426,81 @@ def scaling_lines(results: Sequence[ProblemResult]) -> list[str]:
     return [*lines, ""]
 
 
+#: Issue 17's targets: (problem, what is measured, target, whether larger is better).
+ISSUE17_TARGETS: tuple[tuple[str, str, float, bool], ...] = (
+    ("sinc", "step_speedup_vs_tlm", 2.5, True),
+    ("sinc", "time_to_target_s", 3.0, False),
+    ("wide_dual", "step_speedup_vs_tlm", 1.5, True),
+    ("digits_cnn", "step_speedup_vs_tlm", 1.5, True),
+)
+
+
+def issue17(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
+    """Issue 17's figures from this run: the defaults' ratios against their targets.
+
+    ``step_speedup_vs_tlm`` is torch-levenberg-marquardt's median s/step over
+    secondorder LM's with its defaults (both in this process, on the same data);
+    ``time_to_target_s`` the defaults' time to the problem's target (MSE 1e-6 on sinc).
+    Problems that did not run (``ran`` False), a peer that did not, or a target not
+    reached give ``None``.
+    """
+    by_key = {pr.problem.key: pr for pr in results}
+    out = []
+    for key, what, target, larger in ISSUE17_TARGETS:
+        pr = by_key.get(key)
+        rows = comparisons(pr) if pr is not None else []
+        value = next((c[what] for c in rows if c["config"].endswith("(defaults)")), None)
+        met = None if value is None else (value >= target if larger else value <= target)
+        out.append(
+            {
+                "problem": key,
+                "measure": what,
+                "ran": pr is not None,
+                "value": value,
+                "target": target,
+                "met": met,
+            }
+        )
+    return out
+
+
+def issue17_lines(results: Sequence[ProblemResult]) -> list[str]:
+    """The markdown of :func:`issue17`, with the machine, threads, load and date."""
+    rows = issue17(results)
+    if not any(r["ran"] for r in rows):
+        return []
+    now = datetime.datetime.now(datetime.timezone.utc)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    lines = [
+        "## Issue 17: secondorder LM (defaults) against torch-levenberg-marquardt",
+        "",
+        f"{now:%Y-%m-%d %H:%M} UTC on {machine()['cpu']}, {torch.get_num_threads()} torch "
+        f"threads, load average {load:.2f} at the end of the run.",
+        "",
+        "| problem | measure | this run | target | met |",
+        "|---|---|---:|---:|---|",
+    ]
+    names = {
+        "step_speedup_vs_tlm": "peer s/step over ours",
+        "time_to_target_s": "time to the target (s)",
+    }
+    for r in rows:
+        if r["value"] is not None:
+            value = f"{r['value']:.2f}"
+        elif not r["ran"]:
+            value = "not run"
+        elif r["measure"] == "time_to_target_s":
+            value = "not reached"
+        else:
+            value = "peer not run"
+        sign = ">=" if r["measure"] == "step_speedup_vs_tlm" else "<="
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "no")
+        lines.append(
+            f"| {r['problem']} | {names[r['measure']]} | {value} | {sign} {r['target']:g} | {met} |"
+        )
+    return [*lines, ""]
+
+
 def versions() -> dict[str, str | None]:
     """The version of torch-levenberg-marquardt, ``None`` when it is not installed."""
     try:
@@ -451,7 +530,10 @@ def family(floor_reps: int = 5) -> Family:
         methods=_method_makers(),
         columns=(Column("LM linearize / solve+trials (median)", stage_cell),),
         sections=(section,),
-        closings=(Closing("flop_scaling", flop_scaling, scaling_lines),),
+        closings=(
+            Closing("flop_scaling", flop_scaling, scaling_lines),
+            Closing("issue17", issue17, issue17_lines),
+        ),
         versions=versions,
     )
 

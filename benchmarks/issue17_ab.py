@@ -1,0 +1,162 @@
+"""Interleaved time per step: secondorder LM against torch-levenberg-marquardt (issue 17).
+
+    PYTHONPATH=. python -m benchmarks.issue17_ab [--problems sinc wide_dual digits_cnn]
+        [--rounds 15] [--threads 2] [--base DIR] [--options '{"gram_dtype": "float32"}']
+
+For each problem every stepper is warmed up for ``--warm`` steps on the first batch,
+then timed one step per round, round-robin over ``--rounds`` rounds, each step from
+the same point (parameters and λ restored after it, outside the clock), so a burst of
+load on a shared machine hits every stepper alike.  Prints the median and minimum
+ms per step and ``peer / ours`` of the medians, with the thread count, the load
+average before and after and the date.  With ``--base DIR``, ``DIR/secondorder_base``
+is an older copy of the package (``git archive <commit> secondorder | tar -x -C DIR``,
+then renamed) timed in the same rounds: before and after, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import secondorder
+
+from .workloads import cnn, digits, mlp, sinc_data
+
+#: problem -> (data, model maker, kind, batch size or None)
+PROBLEMS: dict[str, tuple[Callable[[], tuple[Tensor, Tensor]], Callable[[], nn.Module], str]] = {
+    "sinc": (lambda: sinc_data(20_000), mlp([1, 64, 1]), "regression"),
+    "wide_dual": (lambda: _batch(128), mlp([64, 256, 10]), "classification"),
+    "digits_cnn": (lambda: _batch(256), cnn(8), "classification"),
+}
+
+
+def _batch(size: int) -> tuple[Tensor, Tensor]:
+    x, y = digits()[0]
+    return x[:size], y[:size]
+
+
+Step = Callable[[], float]
+
+
+def ours(pkg: Any, key: str, warm: int, options: dict[str, Any]) -> Step:
+    """A warmed-up secondorder optimizer timing one step from one fixed point."""
+    data, make, kind = PROBLEMS[key]
+    x, y = data()
+    model = make()
+    res = pkg.residuals.cross_entropy if kind == "classification" else pkg.residuals.mse
+    opt = pkg.LevenbergMarquardt(model, res, **options)
+    for _ in range(warm):
+        opt.step(x, y)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    damping = opt.internals().damping_state
+    saved = (damping.damping, damping.nu)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.step(x, y)
+        dt = time.perf_counter() - t0
+        model.load_state_dict(state)
+        current = opt.internals().damping_state
+        current.damping, current.nu = saved
+        return dt
+
+    return step
+
+
+def peer(key: str, warm: int) -> Step | None:
+    """torch-levenberg-marquardt's training step, from one fixed point (None: missing)."""
+    try:
+        from torch_levenberg_marquardt import loss as tlm_loss
+        from torch_levenberg_marquardt.training import LevenbergMarquardtModule
+    except ImportError:
+        return None
+    data, make, kind = PROBLEMS[key]
+    x, y = data()
+    model = make()
+    loss = tlm_loss.CrossEntropyLoss() if kind == "classification" else tlm_loss.MSELoss()
+    module = LevenbergMarquardtModule(model, loss_fn=loss)
+    for _ in range(warm):
+        module.training_step(x, y)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    damping = module.damping_strategy.damping_factor  # type: ignore[attr-defined]
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        module.training_step(x, y)
+        dt = time.perf_counter() - t0
+        model.load_state_dict(state)
+        module.backup_parameters()
+        module.damping_strategy.damping_factor = damping  # type: ignore[attr-defined]
+        return dt
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the interleaved rounds and print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--warm", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--base", default=None, help="folder holding secondorder_base")
+    ap.add_argument("--options", default="{}", help="JSON options for both packages")
+    ap.add_argument("--no-peer", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    options = json.loads(args.options)
+    for k, v in options.items():
+        if isinstance(v, str) and v.startswith("float"):
+            options[k] = getattr(torch, v)
+    packages: dict[str, Any] = {"new": secondorder}
+    if args.base:
+        sys.path.insert(0, args.base)
+        packages["base"] = importlib.import_module("secondorder_base")
+    load0 = os.getloadavg()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    print(
+        f"{started:%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"load {load0[0]:.2f}, options {args.options}"
+    )
+    for key in args.problems:
+        fns: dict[str, Step] = {}
+        for tag, pkg in packages.items():
+            fns[tag] = ours(pkg, key, args.warm, options)
+        if not args.no_peer:
+            p = peer(key, args.warm)
+            if p is not None:
+                fns["peer"] = p
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for f in fns.values():
+            f()
+        for _ in range(args.rounds):
+            for k, f in fns.items():
+                times[k].append(f())
+        med = {k: statistics.median(v) for k, v in times.items()}
+        cells = [f"{k} {med[k] * 1e3:7.2f} ms (min {min(times[k]) * 1e3:6.2f})" for k in fns]
+        print(f"{key:11s} " + "; ".join(cells))
+        if "peer" in med:
+            ratios = [f"peer/{k} {med['peer'] / med[k]:.2f}" for k in packages]
+            print(f"{'':11s} " + ", ".join(ratios))
+        if "base" in med:
+            print(f"{'':11s} base/new {med['base'] / med['new']:.2f}")
+    load1 = os.getloadavg()
+    print(f"load average after: {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min)")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

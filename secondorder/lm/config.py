@@ -7,6 +7,7 @@ field's name, the value and what is allowed, before any model is touched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from .._validation import (
     check_open_unit,
 )
 from .backends import BACKEND_SOLVERS, LINALG_BACKENDS, array_module
+from .classifier_defaults import residual_defaults
 from .damping import DAMPING_MATRICES, DAMPING_RULES, check_damping_factors
 from .jacobian import JACOBIANS
 from .kfac_cg import CG_PRECONDITIONERS
@@ -35,6 +37,8 @@ class LMConfig:
         lr: scales each update ``δ`` (1 is the plain LM step).
         damping: initial λ.
         damping_rule: ``"nielsen"`` (gain-ratio rule) or ``"multiplicative"``.
+            :meth:`for_residual` makes ``"multiplicative"`` the default of the
+            cross-entropy adapters (see :mod:`secondorder.lm.classifier_defaults`).
         damping_up, damping_down: factors of the multiplicative rule.
         damping_matrix: ``"marquardt"`` (diag JᵀJ), ``"identity"`` or ``"more"``.
         damping_min, damping_max: bounds on λ; reaching the maximum ends training.
@@ -121,6 +125,19 @@ class LMConfig:
     cg_forcing: float | None = None
     cg_preconditioner: str = "jacobi"
     linalg_backend: str = "torch"
+
+    @classmethod
+    def for_residual(cls, residual_fn: object, **options: Any) -> LMConfig:
+        """The configuration for ``residual_fn``: its own defaults, then ``options``.
+
+        A cross-entropy adapter gets the multiplicative damping rule unless ``options``
+        names a ``damping_rule`` (:func:`~secondorder.lm.classifier_defaults.residual_defaults`);
+        every other residual function gets the plain defaults, so ``for_residual(mse,
+        **options) == LMConfig(**options)``.
+        """
+        merged: dict[str, Any] = residual_defaults(residual_fn)
+        merged.update(options)
+        return cls(**merged)
 
     def __post_init__(self) -> None:
         check_number("lr", self.lr, above=0)

@@ -114,7 +114,11 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         **options: every other field of :class:`~secondorder.config.LMConfig`
             (``damping_rule``, ``damping_matrix``, ``jacobian``, ``solver``, ``form``,
             ``max_attempts``, ``slice_size``, ``geodesic``, ``ftol``/``xtol``/``gtol``,
-            ``gram_dtype``, ...).
+            ``gram_dtype``, ...).  Cross-entropy residuals (``cross_entropy``,
+            ``binary_cross_entropy``, or the torch losses mapped onto them) default to
+            ``damping_rule="multiplicative"``: their gain ratio stays near 0.5, where
+            Nielsen's rule holds λ high (``LMConfig.for_residual``); pass
+            ``damping_rule="nielsen"`` to keep the gain-ratio rule.
 
     Example::
 
@@ -190,7 +194,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         if not (callable(residual_fn) or isinstance(residual_fn, ModelResidual)):
             raise TypeError(f"residual_fn must be callable, got {describe(residual_fn)}")
         try:
-            self.config = LMConfig(lr=lr, damping=damping, **options)
+            self.config = LMConfig.for_residual(residual_fn, lr=lr, damping=damping, **options)
         except TypeError as exc:
             if "unexpected keyword" in str(exc):
                 valid = sorted(LMConfig.__dataclass_fields__)

@@ -27,7 +27,7 @@ from torch import Tensor
 from .._validation import check_choice, check_integer, check_number
 from ..lm.damping import (
     DAMPING_MATRICES,
-    DAMPING_RULES,
+    FITTING_DAMPING_RULES,
     DampingState,
     make_damping_matrix,
     make_damping_rule,
@@ -68,7 +68,7 @@ def least_squares(
     gtol: float = 1e-8,
     max_nfev: int | None = None,
     damping: float = 1e-3,
-    damping_rule: str = "nielsen",
+    damping_rule: str = "trust",
     damping_matrix: str = "more",
     solver: str = "qr",
     geodesic: bool = False,
@@ -102,7 +102,8 @@ def least_squares(
             (the first records a graph to check the residuals depend on ``x``),
             ``1 + n`` with ``"2-point"``, ``1 + 2n`` with ``"3-point"``.
         damping: initial λ.
-        damping_rule: ``"nielsen"`` or ``"multiplicative"``.
+        damping_rule: ``"trust"`` (MINPACK's trust region on ``‖D^½δ‖``; ``damping``
+            is then only its first guess of λ), ``"nielsen"`` or ``"multiplicative"``.
         damping_matrix: ``"more"``, ``"marquardt"`` or ``"identity"``.
         solver: ``"qr"``, ``"cholesky"``, ``"eigh"`` or ``"cg"``.
         geodesic: add geodesic acceleration.  The defaults of these LM parts
@@ -181,7 +182,7 @@ class _Options:
         for name, tol in (("ftol", self.ftol), ("xtol", self.xtol), ("gtol", self.gtol)):
             check_number(name, tol, at_least=0, type_error=False)
         check_integer("max_nfev", self.max_nfev, allow_none=True)
-        check_choice("damping_rule", self.damping_rule, DAMPING_RULES)
+        check_choice("damping_rule", self.damping_rule, FITTING_DAMPING_RULES)
         check_choice("damping_matrix", self.damping_matrix, DAMPING_MATRICES)
         check_choice("solver", self.solver, SOLVERS)
         check_number("damping", self.damping, at_least=0, type_error=False)

@@ -29,7 +29,7 @@ from torch import Tensor
 from .._validation import check_choice, check_integer, check_number
 from ..lm.damping import (
     DAMPING_MATRICES,
-    DAMPING_RULES,
+    FITTING_DAMPING_RULES,
     DampingState,
     make_damping_matrix,
     make_damping_rule,
@@ -93,7 +93,7 @@ def least_squares(
     workers: Any = None,
     *,
     damping: float = 1e-3,
-    damping_rule: str = "nielsen",
+    damping_rule: str = "trust",
     damping_matrix: str | None = None,
     solver: str | None = None,
     geodesic: bool = False,
@@ -172,7 +172,8 @@ def least_squares(
             ``StopIteration`` stops with ``status=-2``.  Honoured for "lm" too.
         workers: only ``None`` or 1 (``fun`` is called serially).
         damping: initial λ.
-        damping_rule: ``"nielsen"`` or ``"multiplicative"``.
+        damping_rule: ``"trust"`` (MINPACK's trust region on ``‖D^½δ‖``; ``damping``
+            is then only its first guess of λ), ``"nielsen"`` or ``"multiplicative"``.
         damping_matrix: ``"more"`` (default), ``"marquardt"`` or ``"identity"``;
             not together with an array ``x_scale``.
         solver: ``"qr"``, ``"cholesky"``, ``"eigh"`` or ``"cg"`` (see ``tr_solver``).
@@ -285,7 +286,7 @@ class _Options:
                 check_number(name, tol, at_least=0, type_error=False)
         self._check_tolerances()
         check_integer("max_nfev", self.max_nfev, allow_none=True)
-        check_choice("damping_rule", self.damping_rule, DAMPING_RULES)
+        check_choice("damping_rule", self.damping_rule, FITTING_DAMPING_RULES)
         if self.damping_matrix is not None:
             check_choice("damping_matrix", self.damping_matrix, DAMPING_MATRICES)
         if self.solver is not None:

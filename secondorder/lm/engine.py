@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .damping import DampingMatrix, DampingRule, DampingState, raise_damping
+from .damping import DampingMatrix, DampingRule, DampingState, StepRecord, raise_damping
 from .linalg import Factorization, LinearSolver, NormalEquations
 
 __all__ = ["EngineConfig", "Outcome", "Problem", "iterate"]
@@ -171,11 +171,21 @@ class _Loop:
     reason: str = "attempts exhausted without reducing the loss"
     rho: float = 0.0
     cg_iterations: int = 0
+    #: ``(‖D^½x‖, ‖D^-½Jᵀr‖)`` for a rule that chooses λ itself, read once.
+    scaled_norms: tuple[float, float] | None = None
+    #: The LM direction at the λ the rule chose, kept from its search.
+    chosen: tuple[float, Tensor] | None = None
 
-    def reject(self) -> None:
+    def reject(self, step: StepRecord | None = None) -> None:
         """Raise λ after a failed attempt, restarting from ``damping_restart`` at zero."""
         c = self.config
-        raise_damping(self.rule, self.state, damping_min=c.damping_min, restart=c.damping_restart)
+        raise_damping(
+            self.rule,
+            self.state,
+            damping_min=c.damping_min,
+            restart=c.damping_restart,
+            step=step,
+        )
 
     def stopped(self, attempt: int, status: int, reason: str) -> Outcome:
         """The iteration ends at ``x`` without a step."""
@@ -307,7 +317,7 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
     Every way an attempt fails raises λ once (:meth:`_Loop.reject`) and leaves its
     account in ``loop.reason``.
     """
-    lam = loop.state.damping
+    lam = _choose(loop) if loop.rule.chooses else loop.state.damping
     direction = _direction(loop, lam)
     if direction is None:
         loop.reject()
@@ -315,20 +325,57 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
     delta = loop.lr * direction
     x_try = loop.x + delta
     wide = torch.float64
-    solved, pred, step_norm, xnorm_try, xnorm = torch.stack(
-        [
-            torch.isfinite(delta).all().to(wide),
-            _predicted_reduction(loop.system, loop.system.grad, delta),
-            torch.linalg.vector_norm(delta, dtype=wide),
-            torch.linalg.vector_norm(x_try, dtype=wide),
-            loop.xnorm0,
-        ]
-    ).tolist()
+    read = [
+        torch.isfinite(delta).all().to(wide),
+        _predicted_reduction(loop.system, loop.system.grad, delta),
+        torch.linalg.vector_norm(delta, dtype=wide),
+        torch.linalg.vector_norm(x_try, dtype=wide),
+        loop.xnorm0,
+    ]
+    if loop.rule.chooses:
+        # What the trust region measures: ‖D^½δ‖ and the slope gᵀδ, in the same read.
+        read.append(torch.linalg.vector_norm(loop.d.to(wide).sqrt() * delta.to(wide)))
+        read.append(torch.dot(loop.system.grad.to(wide), delta.to(wide)))
+    values = torch.stack(read).tolist()
+    solved, pred, step_norm, xnorm_try, xnorm = values[:5]
     if not solved:
         loop.reason = f"linear solve failed at damping {lam:.3g}"
         loop.reject()
         return None
-    return _judge(loop, attempt, lam, x_try, pred, step_norm, xnorm_try, xnorm)
+    measured = (values[5], values[6]) if loop.rule.chooses else None
+    return _judge(loop, attempt, lam, x_try, pred, step_norm, xnorm_try, xnorm, measured)
+
+
+def _choose(loop: _Loop) -> float:
+    """λ from a rule that picks it (a trust region), by solves with this factorisation.
+
+    The direction at the chosen λ is kept for :func:`_direction`, so the search costs
+    no extra solve at the λ it settles on.
+    """
+    x, system, fact = loop.x, loop.system, loop.fact
+    wide = torch.float64
+    sqrt_d = loop.d.to(wide).sqrt()
+    if loop.scaled_norms is None:
+        xs, gs = torch.stack(
+            [
+                torch.linalg.vector_norm(sqrt_d * x.to(wide)),
+                torch.linalg.vector_norm(system.grad.to(wide) / sqrt_d),
+            ]
+        ).tolist()
+        loop.scaled_norms = (xs, gs)
+    solved: dict[float, Tensor] = {}
+
+    def scaled_norm(lam: float) -> float | None:
+        v = _solve(fact, lam, -system.grad, loop.w, x.dtype)
+        loop.cg_iterations += fact.iterations
+        if v is None:
+            return None
+        solved[lam] = v
+        return float(torch.linalg.vector_norm(sqrt_d * v.to(wide)))
+
+    lam = loop.rule.choose(loop.state, scaled_norm, *loop.scaled_norms)
+    loop.chosen = (lam, solved[lam]) if lam in solved else None
+    return lam
 
 
 def _direction(loop: _Loop, lam: float) -> Tensor | None:
@@ -338,8 +385,11 @@ def _direction(loop: _Loop, lam: float) -> Tensor | None:
     in ``loop.reason``).
     """
     x, system, fact, config = loop.x, loop.system, loop.fact, loop.config
-    v = _solve(fact, lam, -system.grad, loop.w, x.dtype, check=config.geodesic)
-    loop.cg_iterations += fact.iterations
+    if loop.chosen is not None and loop.chosen[0] == lam:
+        v: Tensor | None = loop.chosen[1]
+    else:
+        v = _solve(fact, lam, -system.grad, loop.w, x.dtype, check=config.geodesic)
+        loop.cg_iterations += fact.iterations
     if v is None:
         loop.reason = f"linear solve failed at damping {lam:.3g}"
         return None
@@ -369,8 +419,12 @@ def _judge(
     step_norm: float,
     xnorm_try: float,
     xnorm: float,
+    measured: tuple[float, float] | None = None,
 ) -> Outcome | None:
-    """Evaluate the trial point and accept it (gain ratio ρ) or reject it."""
+    """Evaluate the trial point and accept it (gain ratio ρ) or reject it.
+
+    ``measured``: ``(‖D^½δ‖, gᵀδ)`` for a rule that measures the step.
+    """
     config, state, loss0 = loop.config, loop.state, loop.loss0
     loss1 = float(loop.problem.loss_sum(x_try))
     if not math.isfinite(loss1):
@@ -379,13 +433,18 @@ def _judge(
         return None
     actual = loss0 - loss1
     rho = actual / pred if pred > 0 else -math.inf
+    step = None
+    if measured is not None:
+        step = StepRecord(
+            scaled_norm=measured[0], slope=measured[1], actual=actual, loss0=loss0, loss1=loss1
+        )
     loop.rho = rho
     accepted = actual > 0 and rho > config.min_gain_ratio
     status, why = _convergence(
         config, loss0, actual, pred, rho, step_norm, xnorm_try if accepted else xnorm
     )
     if accepted:
-        loop.rule.accept(state, rho)
+        loop.rule.accept(state, rho, step)
         state.damping = max(state.damping, config.damping_min)
         return Outcome(
             x=x_try,
@@ -400,7 +459,7 @@ def _judge(
             step_norm=step_norm,
             cg_iterations=loop.cg_iterations,
         )
-    loop.reject()
+    loop.reject(step)
     if status > 0:
         # MINPACK tests convergence after every attempt: a rejected step that is
         # already below xtol, or whose reductions are below ftol, means the current

@@ -290,7 +290,9 @@ class Choices:
             names = ["forward", "reverse", *batch_modes]
         else:
             names = ["reverse", "forward", *batch_modes]
-        cached = self.auto_cache.get(signature)
+        # With several ranks only agreed numbers may shape the list (a rank's cache
+        # is its own), so that every rank runs the same checks and collectives.
+        cached = self.auto_cache.get(signature) if self.reducer.world_size == 1 else None
         if cached in names:
             # A choice restored from a checkpoint is tried first, so a resumed run
             # takes the choices of the run it continues.
@@ -320,7 +322,8 @@ class Choices:
         fn = self.function
         names = self._candidates(m_total, k, structural, signature)
         timed = not structural and 4 * k > fn.n and k < 4 * fn.n
-        timed = timed and self.auto_cache.get(signature) is None
+        if self.reducer.world_size == 1:
+            timed = timed and self.auto_cache.get(signature) is None
         size = min(batch, PROBE_SAMPLES)
         p_in = slice_tree(inputs, 0, size)
         p_t = None if targets is None else slice_tree(targets, 0, size)

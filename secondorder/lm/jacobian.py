@@ -583,11 +583,15 @@ def batch_reference(
             for k, t in zip(program.order, total, strict=True)
         ]
     )
-    with torch.no_grad():
-        again = program.batch({k: v.detach() for k, v in params.items()}, inputs, targets)
+    with torch.enable_grad():
+        # Evaluated as the first was (a residual_fn may branch on grad mode).
+        again = program.batch(leaves, inputs, targets).detach()
     r = r.detach()
     scale = r.abs().max() if r.numel() else torch.zeros((), dtype=r.dtype)
-    repeatable = again.shape == r.shape and bool(~torch.isfinite(r).all() | _close(again, r, scale))
+    # Non-finite numbers decide nothing: such a probe counts as repeatable.
+    repeatable = again.shape != r.shape or bool(
+        ~torch.isfinite(r).all() | ~torch.isfinite(again).all() | _close(again, r, scale)
+    )
     return Reference(r, w, flat.detach(), repeatable)
 
 

@@ -48,6 +48,9 @@ from .sharded import BroadcastSolver, ShardedCGSolver
 
 __all__ = ["Choices", "normal_matrix_dtype", "set_solver_dtype"]
 
+#: Entries of J (probe rows × parameters) above which the Jacobian check is skipped.
+PROBE_ENTRIES = 1 << 24
+
 #: The strategies ``"auto"`` chooses among.
 _CONCRETE = tuple(name for name in JACOBIANS if name != "auto")
 
@@ -322,6 +325,15 @@ class Choices:
         fn = self.function
         names = self._candidates(m_total, k, structural, signature)
         timed = not structural and 4 * k > fn.n and k < 4 * fn.n
+        if PROBE_SAMPLES * k * fn.n > PROBE_ENTRIES:
+            # The probe's Jacobian alone would take more memory than the check is
+            # worth (and may not fit where the planner would slice the batch): take
+            # the rule's choice unchecked.  k is agreed, so every rank skips alike.
+            unchecked = names[0]
+            if timed and unchecked == "reverse":
+                unchecked = self._probe_jacobian(inputs, targets, batch)
+            self.checked[signature] = unchecked
+            return unchecked
         if self.reducer.world_size == 1:
             timed = timed and self.auto_cache.get(signature) is None
         size = min(batch, PROBE_SAMPLES)

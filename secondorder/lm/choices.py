@@ -29,7 +29,16 @@ from torch.utils._pytree import tree_flatten
 from ..distributed import Reducer
 from .backends import make_backend_solver
 from .config import LMConfig
-from .jacobian import make_jacobian
+from .jacobian import (
+    JACOBIANS,
+    PROBE_SAMPLES,
+    ProbeVerdict,
+    Reference,
+    batch_reference,
+    check_strategy,
+    coupling_message,
+    make_jacobian,
+)
 from .linalg import LinearSolver, NormalEquations
 from .model import ModelFunction, interacting_modules, slice_tree
 from .planner import USABLE_FRACTION, MemoryPlan, PlanError, available_memory, plan_memory
@@ -38,6 +47,28 @@ from .problem import BatchSetup
 from .sharded import BroadcastSolver, ShardedCGSolver
 
 __all__ = ["Choices", "normal_matrix_dtype", "set_solver_dtype"]
+
+#: Entries of J (probe rows × parameters) above which the Jacobian check is skipped.
+PROBE_ENTRIES = 1 << 24
+
+#: The strategies ``"auto"`` chooses among.
+_CONCRETE = tuple(name for name in JACOBIANS if name != "auto")
+
+
+def _random_message(model: torch.nn.Module) -> str:
+    dropouts = [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p
+    ]
+    where = f" (Dropout in training mode: {dropouts})" if dropouts else ""
+    return (
+        "jacobian='auto': the residuals differ between two evaluations of the same "
+        f"batch at the same parameters{where}. LM compares the loss of one batch before "
+        "and after a step, so a random model makes it accept and reject at random: call "
+        "model.eval() (or set the dropout probability to 0) for the LM steps, or pass "
+        "jacobian='batch_reverse' to step anyway, with a new random draw at every evaluation."
+    )
 
 
 def set_solver_dtype(solver: LinearSolver, dtype: torch.dtype) -> None:
@@ -80,6 +111,8 @@ class Choices:
             config.gram_dtype, config.gram_auto_tol, config.damping_matrix
         )
         self.auto_cache: dict[str, str] = {}
+        #: Per input signature, the strategy checked on a probe of its first batch.
+        self.checked: dict[str, str] = {}
 
     def setup(
         self,
@@ -97,7 +130,7 @@ class Choices:
         chooses alike.  ``slice_size`` overrides the configured one for this batch.
         """
         cfg, fn = self.config, self.function
-        name = self.jacobian(inputs, targets, batch, m)
+        name = self.jacobian(inputs, targets, batch, m, m_total)
         slice_size = slice_size if slice_size is not None else cfg.slice_size
         plan = self.memory_plan(batch, m, m_total, name, slice_size)
         dtype = fn.params[0].dtype
@@ -166,40 +199,224 @@ class Choices:
         return self.precision.choose(dtype, damping, self.function.n, scale)
 
     # -- the Jacobian strategy ----------------------------------------------------------
-    def jacobian(self, inputs: Any, targets: Any, batch: int, m: int) -> str:
-        """The strategy's name; refuse per-sample strategies where samples interact."""
+    def jacobian(self, inputs: Any, targets: Any, batch: int, m: int, m_total: int = 0) -> str:
+        """The strategy's name for this batch, checked once per input signature.
+
+        The first batch of each signature runs the candidate strategies on a probe of
+        :data:`~secondorder.lm.jacobian.PROBE_SAMPLES` samples and compares each with
+        the whole probe evaluated at once (:func:`~secondorder.lm.jacobian.check_strategy`):
+        samples that interact (a residual minus its batch mean, ``x - x.mean(0)``,
+        ``F.batch_norm(training=True)``) or a model that per-sample ``vmap`` cannot run
+        (GRU/RNN, ``Embedding(max_norm=...)``) make ``"auto"`` move on to the next
+        candidate, and the residual function is checked to depend on the parameters.
+        The check costs about one step on the probe, two more evaluations of it and a
+        few host synchronisations, once per signature.  A forced strategy is not
+        probed: it runs as asked.  With several ranks, one all-reduce of a few numbers per step
+        makes every rank take the same choice (a rank meeting a new signature alone
+        would otherwise run the check's collectives alone).
+        """
         cfg, fn = self.config, self.function
-        n = fn.n
+        m_total = m_total or m
         interacting = interacting_modules(fn.model)
+        if cfg.jacobian in ("reverse", "forward"):
+            if fn.coupled_residual:
+                raise ValueError(
+                    f"jacobian={cfg.jacobian!r} needs per-sample residuals, but residual_fn "
+                    "is a ModelResidual; use 'batch_reverse', 'batch_forward' or 'auto'"
+                )
+            if interacting:
+                raise ValueError(
+                    f"jacobian={cfg.jacobian!r} would compute a wrong per-sample Jacobian: "
+                    f"modules {interacting} mix samples (BatchNorm in training mode or "
+                    "without running statistics); use 'batch_reverse', 'batch_forward' "
+                    "or 'auto', or call model.eval()"
+                )
         if cfg.jacobian != "auto":
-            if cfg.jacobian in ("reverse", "forward"):
-                if fn.coupled_residual:
-                    raise ValueError(
-                        f"jacobian={cfg.jacobian!r} needs per-sample residuals, but residual_fn "
-                        "is a ModelResidual; use 'batch_reverse', 'batch_forward' or 'auto'"
-                    )
-                if interacting:
-                    raise ValueError(
-                        f"jacobian={cfg.jacobian!r} would compute a wrong per-sample Jacobian: "
-                        f"modules {interacting} mix samples (BatchNorm in training mode or "
-                        "without running statistics); use 'batch_reverse', 'batch_forward' "
-                        "or 'auto', or call model.eval()"
-                    )
+            # A forced strategy runs as asked: no probe, so the residual function is
+            # called exactly as the step's schedule says.  "reverse" on nn.Linear
+            # models still refuses interacting samples (see _fast_rows).
             return cfg.jacobian
-        if fn.coupled_residual or interacting:
-            return "batch_reverse" if m <= n else "batch_forward"
+        if fn.coupled_residual:
+            # The residual needs the model itself: only the batch modes apply.
+            return "batch_reverse" if m_total <= fn.n else "batch_forward"
         signature = _signature(inputs, m)
-        if signature in self.auto_cache:
-            return self.auto_cache[signature]
+        known = self.checked.get(signature)
+        structural = bool(interacting)
         k = max(1, m // batch)
-        if 4 * k <= n:
-            choice = "reverse"
+        if self.reducer.world_size > 1:
+            agreed, k, structural = self._agree_known(known, k, structural)
+            known = agreed
+        if known is None:
+            known = self._decide(inputs, targets, batch, m_total, k, structural, signature)
+        if cfg.jacobian == "auto":
+            self.auto_cache[signature] = known
+        return known
+
+    def _agree_known(
+        self, known: str | None, k: int, structural: bool
+    ) -> tuple[str | None, int, bool]:
+        """Across ranks: the choice every rank already made, the largest k, any interaction.
+
+        One all-reduce of ``world + 2 + 4`` numbers.  The choice is returned only when
+        every rank has checked its signature and made the same one; otherwise ``None``,
+        and every rank decides anew, together.
+        """
+        names = _CONCRETE
+        world, rank = self.reducer.world_size, self.reducer.rank
+        t = torch.zeros(2 + world + len(names), dtype=torch.float64)
+        t[0] = 1.0 if known is None else 0.0
+        t[1] = 1.0 if structural else 0.0
+        t[2 + rank] = float(k)
+        if known is not None:
+            t[2 + world + names.index(known)] = 1.0
+        t = t.to(self.function.group.solver)
+        self.reducer.sum_([t])
+        values = t.tolist()
+        votes = values[2 + world :]
+        k_all = int(max(values[2 : 2 + world]))
+        agreed = None
+        if values[0] == 0 and max(votes) == world:
+            agreed = names[votes.index(max(votes))]
+        return agreed, k_all, values[1] > 0
+
+    def _candidates(self, m_total: int, k: int, structural: bool, signature: str) -> list[str]:
+        """The strategies to try, best first; ``"auto"``'s rule on residuals per sample."""
+        cfg, n = self.config, self.function.n
+        batch_modes = ["batch_reverse", "batch_forward"]
+        if m_total > n:
+            batch_modes.reverse()
+        if cfg.jacobian != "auto":
+            return [cfg.jacobian]
+        if structural:
+            names = batch_modes
         elif k >= 4 * n:
-            choice = "forward"
+            names = ["forward", "reverse", *batch_modes]
         else:
-            choice = self._probe_jacobian(inputs, targets, batch)
-        self.auto_cache[signature] = choice
-        return choice
+            names = ["reverse", "forward", *batch_modes]
+        # With several ranks only agreed numbers may shape the list (a rank's cache
+        # is its own), so that every rank runs the same checks and collectives.
+        cached = self.auto_cache.get(signature) if self.reducer.world_size == 1 else None
+        if cached in names:
+            # A choice restored from a checkpoint is tried first, so a resumed run
+            # takes the choices of the run it continues.
+            names.remove(cached)
+            names.insert(0, cached)
+        return names
+
+    def _flags(self, values: list[float]) -> list[float]:
+        """``values`` summed over ranks (one all-reduce; nothing on one process)."""
+        if self.reducer.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.function.group.solver)
+        self.reducer.sum_([t])
+        return [float(v) for v in t.tolist()]
+
+    def _decide(
+        self,
+        inputs: Any,
+        targets: Any,
+        batch: int,
+        m_total: int,
+        k: int,
+        structural: bool,
+        signature: str,
+    ) -> str:
+        """Check the candidates on a probe and return the first that every rank passes."""
+        fn = self.function
+        names = self._candidates(m_total, k, structural, signature)
+        timed = not structural and 4 * k > fn.n and k < 4 * fn.n
+        if PROBE_SAMPLES * k * fn.n > PROBE_ENTRIES:
+            # The probe's Jacobian alone would take more memory than the check is
+            # worth (and may not fit where the planner would slice the batch): take
+            # the rule's choice unchecked.  k is agreed, so every rank skips alike.
+            unchecked = names[0]
+            if timed and unchecked == "reverse":
+                unchecked = self._probe_jacobian(inputs, targets, batch)
+            self.checked[signature] = unchecked
+            return unchecked
+        if self.reducer.world_size == 1:
+            timed = timed and self.auto_cache.get(signature) is None
+        size = min(batch, PROBE_SAMPLES)
+        p_in = slice_tree(inputs, 0, size)
+        p_t = None if targets is None else slice_tree(targets, 0, size)
+        _, p_in, p_t = next(fn.group.stage([(p_in, p_t)]))
+        params = fn.points(fn.flat())[0]
+        program = fn.replicas[0].program
+        error: Exception | None = None
+        reference: Reference | None = None
+        with fn.frozen(), fn.group.on(0):
+            try:
+                reference = batch_reference(program, params, p_in, p_t)
+            except Exception as exc:
+                if self.reducer.world_size == 1:
+                    raise
+                error = exc
+            failed, random = self._flags(
+                [
+                    float(error is not None),
+                    float(reference is not None and not reference.repeatable),
+                ]
+            )
+            if failed:
+                if error is not None:
+                    raise error
+                raise ValueError(
+                    "the Jacobian check of this batch raised on another rank; see the error "
+                    "raised there. No rank changed its parameters."
+                )
+            assert reference is not None
+            if random:
+                raise ValueError(_random_message(fn.model))
+            verdicts: dict[str, ProbeVerdict] = {}
+            chosen: str | None = None
+            coupled = False
+            for name in names:
+                if coupled and name in ("reverse", "forward"):
+                    continue
+                verdict = check_strategy(make_jacobian(name), program, params, p_in, p_t, reference)
+                verdicts[name] = verdict
+                bad, mixed, unsure = self._flags(
+                    [
+                        float(verdict.status == "failed"),
+                        float(verdict.status == "coupled"),
+                        float(verdict.status == "undecided"),
+                    ]
+                )
+                if mixed:
+                    coupled = True
+                if not bad and not mixed:
+                    chosen = name
+                    break
+            if chosen is None:
+                raise ValueError(self._no_strategy_message(verdicts))
+            if timed and chosen == "reverse":
+                other = check_strategy(
+                    make_jacobian("forward"), program, params, p_in, p_t, reference
+                )
+                (bad,) = self._flags([float(other.status != "ok")])
+                if not bad:
+                    chosen = self._probe_jacobian(inputs, targets, batch)
+        if size >= 2 and not unsure:
+            # One sample cannot show an interaction, and non-finite numbers show
+            # nothing: such a check is repeated on the signature's next batch.
+            self.checked[signature] = chosen
+        return chosen
+
+    @staticmethod
+    def _no_strategy_message(verdicts: dict[str, ProbeVerdict]) -> str:
+        """Why every candidate of ``"auto"`` failed on the probe."""
+        lines = []
+        for name, v in verdicts.items():
+            if v.status == "coupled":
+                lines.append(coupling_message(name, v.detail).split(". Use")[0])
+            elif v.status == "failed":
+                lines.append(f"jacobian={name!r} raised {v.detail or 'on another rank'}")
+            else:
+                lines.append(f"jacobian={name!r} failed on another rank")
+        return (
+            "jacobian='auto' found no strategy that reproduces the whole batch's residuals "
+            "and Jacobian on a probe of this batch: " + "; ".join(lines) + ". Nothing was changed."
+        )
 
     def _probe_jacobian(self, inputs: Any, targets: Any, batch: int) -> str:
         """Time both per-sample modes on a small slice and keep the faster."""

@@ -133,6 +133,9 @@ class ModelEvaluator:
             batch=self.batch,
             order=tuple(names),
             layers=None if coupled else linear_layers(model, names, [own[k] for k in names]),
+            random_modules=tuple(
+                m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)
+            ),
         )
 
     def call(self, params: dict[str, Tensor], inputs: Any) -> Tensor:

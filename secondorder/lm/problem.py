@@ -33,7 +33,23 @@ from .linalg import LinearSolver, NormalEquations, gram_update
 from .model import ModelEvaluator, ModelFunction, slice_tree
 from .sharded import ShardedNormalEquations
 
-__all__ = ["BatchSetup", "ModelProblem"]
+__all__ = ["BatchSetup", "ModelProblem", "RankFailedError"]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank raised during the rank-local part of a step; see its error."""
+
+
+def _raise_if_failed(error: Exception | None, failures: int, world: int, what: str) -> None:
+    """After a reduction that carried failure flags: every rank raises, or none does."""
+    if error is not None:
+        raise error
+    if failures:
+        raise RankFailedError(
+            f"{failures} of {world} ranks raised while {what} (see the error raised there); "
+            "every rank raises with it, so no rank changed its parameters and the process "
+            "group stays usable: a loop that catches the error may go on with the next batch."
+        )
 
 
 def _leaves(tree: Any) -> list[Tensor]:
@@ -185,7 +201,19 @@ class ModelProblem:
     def linearize(self, x: Tensor) -> NormalEquations:
         """``Σr²``, ``Jᵀr``, ``diag(JᵀJ)`` and the Gram or J's rows at ``x``, all ranks summed."""
         counts: list[int] = []
-        sums = self._accumulate(x, counts)
+        error: Exception | None = None
+        try:
+            sums = self._accumulate(x, counts)
+        except Exception as exc:
+            if self.reducer.world_size == 1:
+                raise
+            # The other ranks are on their way into the reduction below: join it with
+            # zeros of the same shapes and a failure flag, so that every rank raises
+            # and the process group stays in step for the next call (a caller that
+            # catches the error and goes on would otherwise meet a collective of
+            # another size and break the group).
+            error = exc
+            sums = self._zero_sums(x)
         self.slice_counts = counts
         gram = self.group.sum(sums.grams)
         col_sq = sums.col_sq
@@ -197,7 +225,12 @@ class ModelProblem:
         tally = torch.stack(
             [sums.loss_sum, torch.tensor(float(sums.count), dtype=wide, device=x.device)]
         )
+        if self.reducer.world_size > 1:
+            failed = torch.tensor([float(error is not None)], dtype=wide, device=x.device)
+            tally = torch.cat([tally, failed])
         self.reducer.sum_([tally, sums.grad, col_sq] + ([gram] if gram is not None else []))
+        if self.reducer.world_size > 1:
+            _raise_if_failed(error, int(tally[2]), self.reducer.world_size, "linearising")
         jac, residuals = self._rows(sums)
         dual = self.form == "dual"
         dual_scale = None
@@ -263,6 +296,21 @@ class ModelProblem:
                     sums.jacs.append(group.gather(J))
                     sums.res.append(group.gather(r))
         return sums
+
+    def _zero_sums(self, x: Tensor) -> _Sums:
+        """Sums of no slice: what a rank whose slices raised brings to the reduction."""
+        n, wide, group = self.n, torch.float64, self.group
+        grams: list[Tensor | None] = [None] * len(group)
+        if not self.store_rows:
+            grams[0] = torch.zeros(n, n, dtype=self.gram_dtype or x.dtype, device=x.device)
+        return _Sums(
+            loss_sum=torch.zeros((), dtype=wide, device=x.device),
+            grad=torch.zeros(n, dtype=x.dtype, device=x.device),
+            col_sq=torch.zeros(n, dtype=x.dtype, device=x.device),
+            grams=grams,
+            jacs=[],
+            res=[],
+        )
 
     def kronecker(self, x: Tensor) -> KroneckerStats:
         """The K-FAC factors of the model's ``nn.Linear`` layers at ``x``, all ranks summed.
@@ -335,13 +383,20 @@ class ModelProblem:
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         expected = self.slice_counts
         seen: list[int] = []
-        with torch.no_grad(), self.function.frozen():
-            for k, inputs, targets in group.stage(self.slices()):
-                with group.on(k):
-                    r = self.replicas[k].batch(points[k], inputs, targets).to(torch.float64)
-                    seen.append(r.numel())
-                    part = torch.dot(r, r)
-                total += group.gather(part)
+        error: Exception | None = None
+        try:
+            with torch.no_grad(), self.function.frozen():
+                for k, inputs, targets in group.stage(self.slices()):
+                    with group.on(k):
+                        r = self.replicas[k].batch(points[k], inputs, targets)
+                        r = r.to(torch.float64)
+                        seen.append(r.numel())
+                        part = torch.dot(r, r)
+                    total += group.gather(part)
+        except Exception as exc:
+            if self.reducer.world_size == 1:
+                raise
+            error, seen = exc, list(expected or [])  # as in linearize: join the reduction
         if self.reducer.world_size == 1:
             if expected is not None and seen != expected:
                 raise ValueError(self._count_message(sum(expected), sum(seen), "this batch"))
@@ -350,13 +405,20 @@ class ModelProblem:
         # wait for it in the next collective: the mismatch rides with the loss.
         mismatch = expected is not None and seen != expected
         tally = torch.tensor(
-            [0.0, float(mismatch), float(sum(seen)), float(sum(expected or seen))],
+            [
+                0.0,
+                float(mismatch),
+                float(sum(seen)),
+                float(sum(expected or seen)),
+                float(error is not None),
+            ],
             dtype=torch.float64,
             device=x.device,
         )
         tally[0] = total
         self.reducer.sum_([tally])
-        flag, trial, before = tally[1:].tolist()
+        flag, trial, before, failed = tally[1:].tolist()
+        _raise_if_failed(error, int(failed), self.reducer.world_size, "evaluating a trial point")
         if flag > 0:
             raise ValueError(self._count_message(int(before), int(trial), "all ranks"))
         return tally[0]

@@ -130,13 +130,14 @@ def step_traffic(
         plan_candidates: (solver, form) pairs the memory planner weighs; one for a
             fixed solver and form, up to three under ``solver="auto"``.
 
-    Per step, whatever the form: the batch check (``world + 1`` float64), the
-    memory plan's agreement on which candidates fit (one float64 each), the reduced
-    loss, residual count, ``Jᵀr`` and ``diag(JᵀJ)`` (one call), and the agreement on
-    whether the factorisation succeeded (2 float64).  Per attempt: the
-    step broadcast from rank 0 (``n + 1`` numbers), ``‖Jδ‖²`` (broadcast, or summed
-    over the rows of each rank for CG) and the loss at the trial point with its
-    residual-count check (4 float64).  Then the
+    Per step, whatever the form: the batch check with every rank's ``lr``
+    (``2·world + 1`` float64), the memory plan's agreement on which candidates fit
+    (one float64 each), the reduced loss, residual count, a failure flag, ``Jᵀr`` and
+    ``diag(JᵀJ)`` (one call), and the agreement on whether the factorisation
+    succeeded (2 float64).  Per attempt: the step broadcast from rank 0 (``n + 1``
+    numbers), ``‖Jδ‖²`` (broadcast, or summed over the rows of each rank for CG) and
+    the loss at the trial point with its residual-count check and a failure flag (5
+    float64).  Then the
     form's own: the Gram (``n²``, primal); the row counts (``2·world`` int64) and the
     rows of J with their residuals (``rows·(n + 1)``, dual); ``n`` numbers per CG
     iteration.
@@ -146,19 +147,21 @@ def step_traffic(
     if world <= 1:
         return Traffic()
     f64 = 8
-    t = Traffic(allreduce=(world + 1) * f64, allreduce_calls=1)  # the batch check
+    t = Traffic(allreduce=(2 * world + 1) * f64, allreduce_calls=1)  # the batch check, lr
     t += Traffic(allreduce=plan_candidates * f64, allreduce_calls=1)  # the memory plan
-    t += Traffic(allreduce=2 * f64 + 2 * n * itemsize, allreduce_calls=1)  # loss, Jᵀr, diag
+    # loss, residual count, failure flag, Jᵀr, diag(JᵀJ)
+    t += Traffic(allreduce=3 * f64 + 2 * n * itemsize, allreduce_calls=1)
     if form == "primal":
         t += Traffic(allreduce=n * n * gram_itemsize)  # travels in the same call
     if form == "dual":
         t += Traffic(allreduce=2 * world * f64, allreduce_calls=1)
         t += Traffic(allgather=rows * (n + 1) * itemsize, allgather_calls=1)
     t += Traffic(allreduce=2 * f64, allreduce_calls=1)  # factorisation flags
-    # The trial loss travels with the residual-count check: the loss, a mismatch flag
-    # and the counts at the trial point and at the linearisation (4 float64).
+    # The trial loss travels with the residual-count check: the loss, a mismatch flag,
+    # the counts at the trial point and at the linearisation, and a failure flag (5
+    # float64).
     per_attempt = Traffic(
-        broadcast=(n + 1) * itemsize, broadcast_calls=1, allreduce=4 * f64, allreduce_calls=1
+        broadcast=(n + 1) * itemsize, broadcast_calls=1, allreduce=5 * f64, allreduce_calls=1
     )
     if form == "cg":
         per_attempt += Traffic(allreduce=itemsize, allreduce_calls=1)  # Σ_k ‖J_k δ‖²

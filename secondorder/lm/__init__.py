@@ -20,6 +20,7 @@ from . import damping, jacobian, linalg, planner, residuals
 from .config import LMConfig
 from .optimizer import LevenbergMarquardt
 from .planner import MemoryPlan, PlanError
+from .problem import RankFailedError
 from .records import LMInternals, SmallBatchWarning, StepInfo
 from .residuals import ModelResidual
 
@@ -30,6 +31,7 @@ __all__ = [
     "MemoryPlan",
     "ModelResidual",
     "PlanError",
+    "RankFailedError",
     "SmallBatchWarning",
     "StepInfo",
     "damping",

@@ -206,6 +206,15 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                 f"model {type(model).__name__} has no trainable parameters "
                 "(none with requires_grad=True)"
             )
+        meta = [k for k, p in named if p.is_meta]
+        if meta:
+            raise ValueError(
+                f"model {type(model).__name__} has parameters on the meta device, which hold "
+                f"no values ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
+                "materialise them before building the optimizer, e.g. "
+                "model.to_empty(device='cpu') and initialise, or "
+                "model.load_state_dict(state, assign=True)"
+            )
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise TypeError(
@@ -538,13 +547,22 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         )
         self._steps += 1
         loss = loss_sum / max(system.count, 1)
+        reason = "non-finite residuals or Jacobian at the current parameters"
+        if math.isfinite(loss_sum) and system.grad.dtype != torch.float64:
+            # Finite residuals, yet Jᵀr, the column norms or the Gram are not: in a
+            # narrow dtype that is most often an overflow of the products, not a NaN.
+            reason = (
+                f"{reason} (the residuals are finite: Jᵀr, diag(JᵀJ) or the Gram overflowed "
+                f"{str(system.grad.dtype).removeprefix('torch.')}, or J holds NaN or inf; "
+                "scale the targets and residuals down, or train in float64 with "
+                "model.double())"
+            )
         return StepInfo(
             loss=loss,
             loss_before=loss,
             accepted=False,
             terminated=False,
-            reason="non-finite residuals or Jacobian at the current parameters; "
-            "step rejected and damping raised",
+            reason=f"{reason}; step rejected and damping raised",
             damping=self._damping.damping,
             attempts=1,
             gain_ratio=float("nan"),

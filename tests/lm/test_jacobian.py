@@ -248,8 +248,16 @@ def test_one_step_is_the_same_for_every_strategy(case):
     results = {}
     for name in (*STRATEGIES, "auto"):
         model = copy.deepcopy(base)
+        # Nielsen's rule named: cross-entropy residuals default to the multiplicative one,
+        # and check_accepted_step reproduces Nielsen's λ.
         opt = so.LevenbergMarquardt(
-            model, residual_fn, jacobian=name, solver="cholesky", form="primal", damping=lam
+            model,
+            residual_fn,
+            jacobian=name,
+            solver="cholesky",
+            form="primal",
+            damping=lam,
+            damping_rule="nielsen",
         )
         info = opt.step(x, y, slice_size=3)
         # ... and each is the damped Gauss-Newton step computed independently.

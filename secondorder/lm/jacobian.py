@@ -13,7 +13,9 @@ cost:
   pass and one backward pass per residual of a sample: the gradient of a sample's
   residual with respect to a layer's weight is the outer product of the gradient at
   the layer's output and the layer's input, ``∂rᵢ/∂W = gᵢ aᵢᵀ``, written straight into
-  J (about the cost of one forward plus backward pass).  Otherwise ``vmap`` over
+  J (about the cost of one forward plus backward pass).  ``nn.Conv1d``/``nn.Conv2d``
+  layers join the rule with their im2col patches in place of ``aᵢ`` (summed over
+  output positions; :mod:`secondorder.lm.conv_rows`).  Otherwise ``vmap`` over
   ``vjp`` computes the same rows (for a small MLP about three times slower: its
   batched outer products run as many tiny matrix products).
 * ``"forward"`` (per-sample forward mode, ``vmap`` over ``jvp``): one forward pass per
@@ -42,6 +44,8 @@ from torch import Tensor, nn
 from torch.func import jacfwd, jacrev, vmap
 from torch.utils._pytree import tree_flatten
 
+from . import conv_rows
+
 __all__ = [
     "JACOBIANS",
     "PROBE_SAMPLES",
@@ -67,9 +71,9 @@ Params = dict[str, Tensor]
 
 @dataclass(frozen=True)
 class LinearLayer:
-    """An ``nn.Linear`` layer and the names of its trainable weight and bias (or None)."""
+    """An ``nn.Linear`` (or ``nn.Conv1d``/``nn.Conv2d``) layer and its trainable names."""
 
-    module: nn.Linear
+    module: nn.Linear | nn.Conv1d | nn.Conv2d
     weight: str | None
     bias: str | None
 
@@ -77,11 +81,11 @@ class LinearLayer:
 def linear_layers(
     model: nn.Module, names: Sequence[str], params: Sequence[Tensor]
 ) -> tuple[LinearLayer, ...] | None:
-    """The layers holding the trainable ``params``, if every one is an ``nn.Linear``.
+    """The layers holding the trainable ``params``, if each is a Linear, Conv1d or Conv2d.
 
     Returns ``None`` when a trainable parameter lives in any other module (a
-    convolution, a normalisation, a custom module, a subclass of ``nn.Linear`` that
-    may change its forward): the per-sample reverse strategy then uses ``vmap``.
+    normalisation, a 3-D convolution, a custom module, a subclass that may change its
+    forward): the per-sample reverse strategy then uses ``vmap``.
     """
     canonical = {id(p): name for name, p in zip(names, params, strict=True)}
     layers: list[LinearLayer] = []
@@ -90,9 +94,9 @@ def linear_layers(
         own = [p for p in module._parameters.values() if p is not None and id(p) in canonical]
         if not own:
             continue
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear and not conv_rows.is_conv(module):
             return None
-        assert isinstance(module, nn.Linear)
+        assert isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d))
         weight = canonical.get(id(module.weight))
         bias = None if module.bias is None else canonical.get(id(module.bias))
         layers.append(LinearLayer(module, weight, bias))
@@ -112,9 +116,9 @@ class ResidualProgram:
         batch: ``f(params, X, Y) -> r`` (1-D) for a whole slice.
         order: parameter names in the order of J's columns.
         targets_batched: whether targets carry a batch dimension to slice.
-        layers: the model's ``nn.Linear`` layers when they hold every trainable
-            parameter (:func:`linear_layers`), which ``"reverse"`` then differentiates
-            by the outer-product rule; ``None`` otherwise.
+        layers: the model's ``nn.Linear``/``nn.Conv1d``/``nn.Conv2d`` layers when they
+            hold every trainable parameter (:func:`linear_layers`), which ``"reverse"``
+            then differentiates by the outer-product rule; ``None`` otherwise.
         verified: per input signature, whether the outer-product rule matched
             ``vmap`` on the first slice of that signature (filled in by the strategy).
         random_modules: the model's dropout modules; the outer-product rule refuses a
@@ -224,7 +228,10 @@ def _layer_outputs(calls: list[_Call], batch: int) -> list[Tensor]:
     outs = []
     for layer, a, z in calls:
         w = layer.module.weight
-        if (
+        if conv_rows.is_conv(layer.module):
+            if not conv_rows.check_call(layer.module, a, z, batch):
+                raise _UnsupportedError
+        elif (
             a.shape[0] != batch
             or z.shape[:-1] != a.shape[:-1]
             or w.shape
@@ -275,6 +282,9 @@ def _fill_rows(
         for (layer, a, _), g in zip(calls, grads, strict=True):
             if g is None:
                 continue
+            if conv_rows.is_conv(layer.module):
+                _conv_rows(jac[:, j], layer, a.detach(), g.detach(), starts, j, written)
+                continue
             fan_out, fan_in = layer.module.weight.shape
             g3 = g.detach().reshape(batch, -1, fan_out)
             a3 = a.detach().reshape(batch, -1, fan_in)
@@ -300,6 +310,33 @@ def _fill_rows(
                     block.copy_(gb)
                 written.add((j, layer.bias))
     return written
+
+
+def _conv_rows(
+    rows: Tensor,
+    layer: LinearLayer,
+    a: Tensor,
+    g: Tensor,
+    starts: dict[str, int],
+    j: int,
+    written: set[tuple[int, str]],
+) -> None:
+    """Write a convolution's rows for residual j (im2col patches times ``g``)."""
+    module = layer.module
+    if layer.weight is not None:
+        s, size = starts[layer.weight], module.weight.numel()
+        first = (j, layer.weight) not in written
+        conv_rows.weight_rows(module, a, g, out=rows[:, s : s + size], accumulate=not first)
+        written.add((j, layer.weight))
+    if layer.bias is not None:
+        s = starts[layer.bias]
+        gb = conv_rows.bias_rows(module, g)
+        block = rows[:, s : s + gb.shape[1]]
+        if (j, layer.bias) in written:
+            block.add_(gb)
+        else:
+            block.copy_(gb)
+        written.add((j, layer.bias))
 
 
 def _verdict(jac: Tensor, r: Tensor, checks: list[tuple[int, Tensor, Tensor]]) -> Tensor:
@@ -413,8 +450,9 @@ def coupling_message(name: str, detail: str) -> str:
 class PerSampleReverse(JacobianStrategy):
     """Per-sample reverse mode: cost ∝ residuals per sample.
 
-    Models made of ``nn.Linear`` layers (and parameter-free modules) get the
-    outer-product rule; any other model, ``vmap`` over ``jacrev``.
+    Models made of ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` layers (and
+    parameter-free modules) get the outer-product rule; any other model, ``vmap`` over
+    ``jacrev``.
     """
 
     name = "reverse"

@@ -753,9 +753,14 @@ def test_outer_product_rule_is_checked_once_per_input_signature():
 def test_linear_layers_declines_models_with_other_parameterised_modules():
     from secondorder.jacobian import linear_layers
 
+    conv3d = nn.Sequential(nn.Conv3d(1, 2, 3), nn.Flatten(), nn.Linear(2, 2)).to(DT)
+    names, params = named_trainable(conv3d)
+    assert linear_layers(conv3d, names, params) is None
+    # Conv1d/Conv2d have a per-sample rule (secondorder.lm.conv_rows).
     conv = conv_model(2)
     names, params = named_trainable(conv)
-    assert linear_layers(conv, names, params) is None
+    layers = linear_layers(conv, names, params)
+    assert layers is not None and isinstance(layers[0].module, nn.Conv2d)
     net = mlp(3, 2)
     names, params = named_trainable(net)
     layers = linear_layers(net, names, params)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..._conv import padded, windows
 from .base import KroneckerLayer
 
 __all__ = ["ConvLayer", "conv_patch_rows", "conv_patches"]
@@ -29,10 +30,7 @@ def conv_patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     Row ``c·K + j`` of a patch is input channel ``c`` at kernel offset ``j`` (row-major
     over the kernel), the layout of ``weight.reshape(O, -1)``.
     """
-    pad = module._reversed_padding_repeated_twice
-    if any(pad):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, list(pad), mode=mode)
+    x = padded(module, x)
     if isinstance(module, nn.Conv1d):
         x = x.unsqueeze(-2)
         kernel, dilation, stride = (
@@ -53,18 +51,8 @@ def conv_patch_rows(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     strided view of the padded input and copied once into this layout: ``F.unfold``
     would write the patches once and the permutation to rows copy them again.
     """
-    pad = module._reversed_padding_repeated_twice
-    if any(pad):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, list(pad), mode=mode)
-    v = x
+    v = windows(module, x)  # (N, C, *positions, *kernel)
     nd = len(module.kernel_size)
-    conv_dims = zip(module.kernel_size, module.dilation, module.stride, strict=True)
-    for d, (k, dil, st) in enumerate(conv_dims):
-        # window of the dilated kernel's span at every stride, then every dil-th tap
-        v = v.unfold(2 + d, dil * (k - 1) + 1, st)
-    taps = (slice(None),) * (2 + nd) + tuple(slice(None, None, dil) for dil in module.dilation)
-    v = v[taps]  # (N, C, *positions, *kernel)
     n, c = v.shape[:2]
     g = module.groups
     v = v.reshape(n, g, c // g, *v.shape[2:])

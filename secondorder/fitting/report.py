@@ -223,23 +223,7 @@ def correlation(cov: Any) -> Any:
 
 @dataclass(frozen=True)
 class _ReportData:
-    """The fields of a :class:`FitReport` and the text they make.
-
-    Attributes:
-        names: parameter names.
-        values: fitted values (float64 NumPy array).
-        stderr: one-standard-error uncertainties.
-        covariance, correlation: ``(n, n)`` matrices.
-        cost: ``½ Σ r²`` (the robust cost with a robust loss).
-        chisqr: ``Σ r² = 2·cost``, the chi-square when residuals are weighted by the
-            data's standard deviations.
-        redchi: ``chisqr / (m - n)`` (``nan`` without degrees of freedom).
-        ndata, nvarys: residuals ``m`` and parameters ``n``.
-        nfev, njev: residual and Jacobian evaluations.
-        status, message, success: how the solver ended, in scipy's terms.
-        absolute_sigma: which residual variance scaled the covariance.
-        min_correlation: correlations at or below this magnitude are not printed.
-    """
+    """The fields of a :class:`FitReport` (documented there) and the text they make."""
 
     names: tuple[str, ...]
     values: np.ndarray

@@ -33,14 +33,14 @@ from .linalg import LinearSolver, NormalEquations, gram_update
 from .model import ModelEvaluator, ModelFunction, slice_tree
 from .sharded import ShardedNormalEquations
 
-__all__ = ["BatchSetup", "ModelProblem", "RankFailedError"]
+__all__ = ["BatchSetup", "ModelProblem", "RankFailedError", "raise_if_failed"]
 
 
 class RankFailedError(RuntimeError):
     """Another rank raised during the rank-local part of a step; see its error."""
 
 
-def _raise_if_failed(error: Exception | None, failures: int, world: int, what: str) -> None:
+def raise_if_failed(error: Exception | None, failures: int, world: int, what: str) -> None:
     """After a reduction that carried failure flags: every rank raises, or none does."""
     if error is not None:
         raise error
@@ -230,7 +230,7 @@ class ModelProblem:
             tally = torch.cat([tally, failed])
         self.reducer.sum_([tally, sums.grad, col_sq] + ([gram] if gram is not None else []))
         if self.reducer.world_size > 1:
-            _raise_if_failed(error, int(tally[2]), self.reducer.world_size, "linearising")
+            raise_if_failed(error, int(tally[2]), self.reducer.world_size, "linearising")
         jac, residuals = self._rows(sums)
         dual = self.form == "dual"
         dual_scale = None
@@ -317,41 +317,54 @@ class ModelProblem:
 
         One forward per slice with hooks on the layers, one backward per residual
         component; ``A`` and ``Σ g gᵀ`` are summed over slices and ranks, then G is
-        divided by the global sample count (:mod:`secondorder.lm.kfac_cg`).
+        divided by the global sample count (:mod:`secondorder.lm.kfac_cg`).  A rank
+        whose model raises here joins the reduction with zeros and a failure flag, as
+        in :meth:`linearize`: every rank raises.
         """
         group, fn = self.group, self.function
         layers = kronecker_layers(fn.model, fn.names, fn.numels)
         wide = torch.float64
-        a_sum = [
-            torch.zeros(layer.index.shape[1], layer.index.shape[1], dtype=x.dtype, device=x.device)
-            for layer in layers
-        ]
-        g_sum = [
-            torch.zeros(layer.index.shape[0], layer.index.shape[0], dtype=x.dtype, device=x.device)
-            for layer in layers
-        ]
-        # Samples seen, slices walked, then the hook calls of each layer.
-        tally = torch.zeros(2 + len(layers), dtype=wide, device=x.device)
-        points = fn.points(x)
-        with fn.frozen():
-            for k, inputs, targets in group.stage(self.slices()):
-                ev = self.replicas[k]
-                params = {name: p.detach().requires_grad_() for name, p in points[k].items()}
-                samples = len(next(iter(_leaves(inputs))))
-                with group.on(k):
-                    a_parts, g_parts, calls = slice_statistics(
-                        ev.model,
-                        layers,
-                        functools.partial(ev.batch, params, inputs, targets),
-                        samples,
-                    )
-                for i in range(len(layers)):
-                    a_sum[i] += group.gather(a_parts[i])
-                    g_sum[i] += group.gather(g_parts[i])
-                tally[0] += samples
-                tally[1] += 1
-                tally[2:] += torch.tensor(calls, dtype=wide, device=x.device)
+        shapes = [tuple(layer.index.shape) for layer in layers]
+
+        def zeros() -> tuple[list[Tensor], list[Tensor], Tensor]:
+            a = [torch.zeros(c, c, dtype=x.dtype, device=x.device) for _, c in shapes]
+            g = [torch.zeros(o, o, dtype=x.dtype, device=x.device) for o, _ in shapes]
+            # Samples seen, slices walked, the hook calls of each layer, failed ranks.
+            return a, g, torch.zeros(3 + len(layers), dtype=wide, device=x.device)
+
+        a_sum, g_sum, tally = zeros()
+        error: Exception | None = None
+        try:
+            points = fn.points(x)
+            with fn.frozen():
+                for k, inputs, targets in group.stage(self.slices()):
+                    ev = self.replicas[k]
+                    params = {name: p.detach().requires_grad_() for name, p in points[k].items()}
+                    samples = len(next(iter(_leaves(inputs))))
+                    with group.on(k):
+                        a_parts, g_parts, calls = slice_statistics(
+                            ev.model,
+                            layers,
+                            functools.partial(ev.batch, params, inputs, targets),
+                            samples,
+                        )
+                    for i in range(len(layers)):
+                        a_sum[i] += group.gather(a_parts[i])
+                        g_sum[i] += group.gather(g_parts[i])
+                    tally[0] += samples
+                    tally[1] += 1
+                    tally[2:-1] += torch.tensor(calls, dtype=wide, device=x.device)
+        except Exception as exc:
+            if self.reducer.world_size == 1:
+                raise
+            # The flag rides in the tally: no collective is added when nothing fails.
+            error = exc
+            a_sum, g_sum, tally = zeros()
+            tally[-1] = 1.0
         self.reducer.sum_([tally, *a_sum, *g_sum])
+        if self.reducer.world_size > 1:
+            failed = int(tally[-1])
+            raise_if_failed(error, failed, self.reducer.world_size, "computing the K-FAC factors")
         samples_total = max(float(tally[0]), 1.0)
         # A layer keeps its factors only if its hook fired once in every forward of
         # every rank: a shared or skipped layer falls back to the Jacobi diagonal.
@@ -418,7 +431,7 @@ class ModelProblem:
         tally[0] = total
         self.reducer.sum_([tally])
         flag, trial, before, failed = tally[1:].tolist()
-        _raise_if_failed(error, int(failed), self.reducer.world_size, "evaluating a trial point")
+        raise_if_failed(error, int(failed), self.reducer.world_size, "evaluating a trial point")
         if flag > 0:
             raise ValueError(self._count_message(int(before), int(trial), "all ranks"))
         return tally[0]
@@ -436,7 +449,49 @@ class ModelProblem:
     def second_directional(
         self, x: Tensor, v: Tensor, system: NormalEquations
     ) -> tuple[Tensor, Tensor | None]:
-        """``(Jᵀr_vv, r_vv)``, ``r_vv`` the second derivative of r along ``v`` (geodesic)."""
+        """``(Jᵀr_vv, r_vv)``, ``r_vv`` the second derivative of r along ``v`` (geodesic).
+
+        A rank whose model raises here joins the reduction with zeros and a failure
+        flag, as in :meth:`linearize`: every rank raises.
+        """
+        world = self.reducer.world_size
+        error: Exception | None = None
+        try:
+            b, w = self._second_directional(x, v, system)
+        except Exception as exc:
+            if world == 1:
+                raise
+            error = exc
+            b, w = self._zero_second_directional(x, system)
+        failed = torch.tensor([float(error is not None)], dtype=b.dtype, device=b.device)
+        if self.rows_gathered:
+            # J holds every rank's rows: gather r_vv the same way (its flag in a second
+            # column, on a rank's first row), and Jᵀr_vv is then already the global product.
+            assert system.jac is not None and system.residuals is not None
+            rows = torch.zeros(w.shape[0], 2, dtype=system.residuals.dtype, device=w.device)
+            rows[:, 0] = w
+            rows[:1, 1] = failed
+            both = self.reducer.gather_rows(rows)
+            raise_if_failed(
+                error, int(both[:, 1].sum()), world, "computing the geodesic acceleration"
+            )
+            w = both[:, 0]
+            return system.jac.T @ w.to(system.jac.dtype), w
+        if world == 1:
+            return b, w
+        # The flag rides with Jᵀr_vv: one collective, as without it.
+        packed = torch.cat([b, failed])
+        self.reducer.sum_([packed])
+        raise_if_failed(error, int(packed[-1]), world, "computing the geodesic acceleration")
+        return packed[:-1], w
+
+    def _second_directional(
+        self, x: Tensor, v: Tensor, system: NormalEquations
+    ) -> tuple[Tensor, Tensor]:
+        """``(Jᵀr_vv, r_vv)`` on this rank: ``r_vv`` of its rows, ``Jᵀr_vv`` not yet reduced.
+
+        When the rows are gathered, ``Jᵀr_vv`` is left to the caller (zeros here).
+        """
         group = self.group
         points = self.function.points(x)
         tangents = [self.unflatten(vk) for vk in group.replicate(v)]
@@ -471,13 +526,20 @@ class ModelProblem:
                 if system.jac is None:
                     b += group.gather(part)
         w = torch.cat(rvvs)
-        if self.rows_gathered:
-            # J holds every rank's rows: gather r_vv the same way, and Jᵀr_vv is then
-            # already the global product.
-            assert system.jac is not None
-            w = self.reducer.gather_rows(w[:, None])[:, 0]
-            return system.jac.T @ w.to(system.jac.dtype), w
-        if system.jac is not None:
+        if system.jac is not None and not self.rows_gathered:
             b = system.jac.T @ w.to(system.jac.dtype)
-        self.reducer.sum_([b])
         return b, w
+
+    def _zero_second_directional(self, x: Tensor, system: NormalEquations) -> tuple[Tensor, Tensor]:
+        """What a rank whose model raised brings to :meth:`second_directional`'s reduction.
+
+        ``Jᵀr_vv`` as zeros of its dtype, and as many zero rows of ``r_vv`` as this rank
+        had residuals at the linearisation (at least one, to carry the flag).
+        """
+        jac = system.jac
+        dtype = jac.dtype if jac is not None and not self.rows_gathered else x.dtype
+        rows = max(sum(self.slice_counts or []), 1)
+        return (
+            torch.zeros(self.n, dtype=dtype, device=x.device),
+            torch.zeros(rows, dtype=x.dtype, device=x.device),
+        )

@@ -573,12 +573,27 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         )
 
     def _accept(self, x: Tensor, inputs: Any) -> None:
-        """Write an accepted point into the model and its replicas."""
-        self._function.write(x)
+        """Write an accepted point into the model and its replicas.
+
+        BatchNorm's running statistics are updated by one real forward at the new
+        point; if that forward raises (an interrupt), the parameters and buffers are
+        put back, so the failed step leaves the model as it was.
+        """
         if interacting_modules(self.model):
-            # One real forward updates BatchNorm running statistics at the new point.
-            with torch.no_grad():
-                self.model(to_device(inputs, self._function.params[0].device))
+            old = self._function.flat()
+            buffers = [b.clone() for b in self.model.buffers()]
+            self._function.write(x)
+            try:
+                with torch.no_grad():
+                    self.model(to_device(inputs, self._function.params[0].device))
+            except BaseException:
+                self._function.write(old)
+                with torch.no_grad():
+                    for b, saved in zip(self.model.buffers(), buffers, strict=True):
+                        b.copy_(saved)
+                raise
+        else:
+            self._function.write(x)
         for replica in self.replicas:
             sync_replica(self.model, replica)
 

@@ -176,3 +176,49 @@ def test_a_rejected_step_leaves_the_next_step_unchanged(case: str) -> None:
     info, ref = opt.step(x, y), fresh.step(x, y)
     assert info.loss == ref.loss and info.damping == ref.damping
     assert _bitwise_params(model, fresh_model)
+
+
+class _TripwireBatchNorm(nn.Module):
+    """Linear-BatchNorm-Tanh-Linear that, when armed, raises in its real forward.
+
+    The optimizer evaluates the model functionally (parameters swapped in as plain
+    tensors); the one call with the model's own ``nn.Parameter``s and no autograd is
+    the forward that updates BatchNorm's running statistics after an accepted step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.out = nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+        self.armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        real = isinstance(self.lin.weight, nn.Parameter) and not torch.is_grad_enabled()
+        h = self.bn(self.lin(x))  # the running statistics move first, as in a real run
+        if real and self.armed:
+            raise KeyboardInterrupt("interrupt in the running-statistics forward")
+        return self.out(torch.tanh(h))
+
+
+def test_an_interrupt_in_the_batchnorm_statistics_forward_leaves_no_trace() -> None:
+    """Parameters, running statistics and state as before; the next step as a fresh one's."""
+    torch.manual_seed(0)
+    model = _TripwireBatchNorm()
+    x, y = torch.randn(32, 3), torch.randn(32, 1)
+    opt = so.LevenbergMarquardt(model)
+    opt.step(x, y)
+    before, state = copy.deepcopy(model), copy.deepcopy(opt.state_dict())
+    model.armed = True
+    with pytest.raises(KeyboardInterrupt, match="running-statistics forward"):
+        opt.step(x, y)
+    for (name, a), b in zip(model.state_dict().items(), before.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert _same_state(entries(opt.state_dict()), entries(state))
+
+    model.armed = False
+    fresh_model = copy.deepcopy(before)
+    fresh = so.LevenbergMarquardt(fresh_model)
+    fresh.load_state_dict(copy.deepcopy(state))
+    info, ref = opt.step(x, y), fresh.step(x, y)
+    assert info.accepted and info.loss == ref.loss
+    for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

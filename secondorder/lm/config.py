@@ -62,11 +62,14 @@ class LMConfig:
             factored.  ``"auto"`` (default): for float32 parameters, float32 while λ
             is large enough that the float32 rounding of the matrix cannot change the
             step by more than ``gram_auto_tol`` (relative), float64 once λ falls
-            below that; float64 for every other parameter dtype (see
-            :mod:`secondorder.precision`).  The float64 product costs about 2.5x
-            the float32 one; a float32 matrix throughout cannot take the small-λ
-            steps that need its lost digits.  ``benchmarks/precision_seeds.py``
-            (sinc(10x), 2,000 points, 6 initialisations, 400 steps, one thread):
+            below that; in the dual form float32 also below that λ when the float32
+            matrix's smallest eigenvalue is certified large enough (independent
+            rows, the usual mini-batch of a wide network); float64 for every other
+            parameter dtype (see :mod:`secondorder.precision`).  The float64 product
+            costs about 2.5x the float32 one; a float32 matrix throughout cannot take
+            the small-λ steps that need its lost digits.
+            ``benchmarks/precision_seeds.py`` (sinc(10x), 2,000 points, 6
+            initialisations, 400 steps, one thread):
             final MSE at most 8.4e-8 (float64), 3.0e-8 (float32), 1.2e-8
             ("auto"), in 2.0-2.4 s, 1.4-1.8 s and 1.8-2.0 s; "auto" took 46-82% of
             its steps in float32.  ``torch.float32`` or ``torch.float64`` fix the

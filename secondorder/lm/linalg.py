@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .kfac_cg import KroneckerStats
+from .precision import DualFloorCheck
 
 __all__ = [
     "SOLVERS",
@@ -300,11 +301,24 @@ class CholeskySolver(LinearSolver):
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
+        #: Set for one iteration by ``gram_dtype="auto"`` when λ alone asked for a
+        #: float64 dual matrix: try float32 first and keep it if the check passes
+        #: (:class:`~secondorder.lm.precision.DualFloorCheck`); ``dtype`` then says
+        #: float32.  Cleared by the next :meth:`factor`.
+        self.dual_check: DualFloorCheck | None = None
 
     def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+        check, self.dual_check = self.dual_check, None
         if system.dual:
             assert system.jac is not None
-            return _CholeskyDual(system.jac, d, self.dtype or system.jac.dtype)
+            jac = system.jac
+            dtype = self.dtype or jac.dtype
+            if check is not None and dtype == torch.float64 and jac.dtype == torch.float32:
+                narrow = _CholeskyDual(jac, d, torch.float32)
+                if check.float32_suffices(narrow.k):
+                    self.dtype = torch.float32
+                    return narrow
+            return _CholeskyDual(jac, d, dtype)
         if system.gram is None:
             raise RuntimeError("the primal cholesky solver needs the Gram matrix")
         return _CholeskyPrimal(system.gram, d)

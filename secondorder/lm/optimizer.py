@@ -32,9 +32,10 @@ from .choices import Choices, normal_matrix_dtype, set_solver_dtype
 from .config import LMConfig
 from .damping import DampingState, make_damping_matrix, make_damping_rule, raise_damping
 from .engine import EngineConfig, Outcome, iterate
-from .linalg import NormalEquations
+from .linalg import LinearSolver, NormalEquations
 from .model import ModelFunction, interacting_modules, to_device
 from .planner import MemoryPlan, PlanError
+from .precision import DualFloorCheck
 from .problem import BatchSetup, ModelProblem
 from .records import LMInternals, SmallBatchWarning, StepInfo
 from .residuals import LossResidual, ModelResidual, describe, from_torch_loss, mse
@@ -472,10 +473,18 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         finite, loss_sum, _ = system.scalars()
         if self._choices.varies() and setup.form == "dual":
             scale = system.dual_scale_value()
-            dual_dtype = self._choices.dual_gram_dtype(
-                self._damping.damping, math.inf if scale is None else scale
-            )
+            scale = math.inf if scale is None else scale
+            dual_dtype = self._choices.dual_gram_dtype(self._damping.damping, scale)
             set_solver_dtype(setup.solver, dual_dtype)
+            if dual_dtype == torch.float64 and math.isfinite(scale):
+                # λ alone asks for float64; the float32 matrix may still be exact
+                # enough when its rows are independent (checked on the matrix).
+                _set_dual_check(
+                    setup.solver,
+                    DualFloorCheck(
+                        self._choices.precision, self._damping.damping, self._function.n, scale
+                    ),
+                )
         if not finite:
             return self._refuse(prob, system, loss_sum, t_start, t_lin)
         out = iterate(
@@ -731,3 +740,10 @@ def _outside_inference(tree: Any) -> Any:
     return tree_unflatten(
         [t.clone() if isinstance(t, Tensor) and t.is_inference() else t for t in leaves], spec
     )
+
+
+def _set_dual_check(solver: LinearSolver, check: DualFloorCheck) -> None:
+    """Let ``solver`` (or the solver a wrapper runs) try a float32 dual matrix first."""
+    inner = getattr(solver, "inner", solver)
+    if hasattr(inner, "dual_check"):
+        inner.dual_check = check

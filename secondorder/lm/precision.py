@@ -28,6 +28,13 @@ default) and float32 parameters it uses float32 when the estimated error is at m
   against 2.4e-5 to 2.6e-5 (256 × 2,410): conservative by 2-7x, where the largest
   diagonal entry in place of the mean would be 15-40x.
 
+In the dual form λ is not the only bound: ``λ_min(K + λI) = λ + λ_min(K)``, and with
+independent rows ``λ_min(K)`` is far above the rounding.  When λ alone asks for
+float64, the dual Cholesky solver first forms K in float32 and keeps it when
+:func:`certified_floor` of that matrix makes :meth:`GramPrecision.choose_dual` say
+float32 (:class:`DualFloorCheck`; three m×m factorisations, ~0.1 ms each at
+m = 128); otherwise it forms K in float64 as asked.
+
 The rule needs ``D ≥ diag(JᵀJ)``, which holds for the ``"marquardt"`` and ``"more"``
 damping matrices; with ``"identity"`` λ carries the units of ``JᵀJ`` and ``"auto"``
 keeps float64.  Parameters in float64 (or any dtype other than float32) also keep
@@ -42,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["GramPrecision", "certified_floor"]
+__all__ = ["DualFloorCheck", "GramPrecision", "certified_floor"]
 
 _U32 = float(torch.finfo(torch.float32).eps) / 2.0
 
@@ -159,3 +166,37 @@ def certified_floor(k: Tensor, eps: float, tries: int = 3) -> float:
         else:
             hi = j + 1
     return best
+
+
+@dataclass(frozen=True)
+class DualFloorCheck:
+    """Whether a float32 dual matrix is accurate enough, judged on the matrix itself.
+
+    Set on the dual Cholesky solver for one iteration when :meth:`GramPrecision.choose`
+    asked for float64 from λ alone: the solver then forms ``K̂ = J D⁻¹ Jᵀ`` in float32
+    (no wider copy of J), and keeps it when :func:`certified_floor` of ``K̂`` makes
+    :meth:`GramPrecision.choose_dual` say float32; otherwise it forms K in float64 as
+    asked.  With independent rows (the usual case of a wide network on a mini-batch)
+    the floor, not λ, bounds the error, so the float32 product, about half the
+    float64 one's cost, is kept even as λ falls toward Gauss-Newton.
+
+    Attributes:
+        precision: the configuration's rule (its ``tol``).
+        damping: λ of the iteration's first attempt (later attempts only raise it).
+        terms: the length of each entry's sum, the number of parameters.
+        scale: the mean diagonal entry of ``J D⁻¹ Jᵀ`` (NormalEquations.dual_scale).
+    """
+
+    precision: GramPrecision
+    damping: float
+    terms: int
+    scale: float
+
+    def float32_suffices(self, k32: Tensor) -> bool:
+        """Whether ``k32`` (the float32 ``K̂``) may be used in place of the float64 K."""
+        eps = self.precision.error_estimate(self.terms, self.scale)
+        floor = certified_floor(k32, eps)
+        chosen = self.precision.choose_dual(
+            torch.float32, self.damping, self.terms, self.scale, floor
+        )
+        return chosen == torch.float32

@@ -321,3 +321,46 @@ def test_certified_floor_edge_cases() -> None:
     assert precision.choose_dual(torch.float32, 1e-3, 100, 1.0, math.nan) == torch.float64
     assert precision.choose_dual(torch.float32, 1e-3, 100, 1.0, -1.0) == torch.float64
     assert precision.choose_dual(torch.float64, 1e-3, 100, 1.0, 10.0) == torch.float64
+
+
+def _dual_step(gram_dtype: torch.dtype | str, duplicated: bool) -> tuple:
+    """One dual-form step of a small classifier at λ = 1e-9 (16 or 2 x 8 samples)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+    x = torch.randn(16, 8)
+    y = torch.randint(0, 4, (16,))
+    if duplicated:  # every sample twice: J's rows are pairwise equal, K is singular
+        x, y = torch.cat([x[:8], x[:8]]), torch.cat([y[:8], y[:8]])
+    opt = so.LevenbergMarquardt(
+        model, so.residuals.cross_entropy, form="dual", gram_dtype=gram_dtype, damping=1e-9
+    )
+    info = opt.step(x, y)
+    return info, _params(model), opt
+
+
+def test_auto_dual_keeps_float32_where_the_certified_floor_allows() -> None:
+    """Independent rows: float32 at a λ where λ alone asks for float64, within ``tol``.
+
+    The step is the fixed-float32 step bitwise (the same factorisation), and its
+    increment is within ``gram_auto_tol`` of the float64 step's.
+    """
+    info, after, opt = _dual_step("auto", duplicated=False)
+    rule = GramPrecision("auto", tol=opt.config.gram_auto_tol)
+    n = after.numel()
+    assert rule.choose(torch.float32, 1e-9, n, scale=n / 16) == torch.float64  # λ alone
+    assert info.form == "dual" and info.gram_dtype == "float32"
+    info32, ref32, _ = _dual_step(torch.float32, duplicated=False)
+    assert torch.equal(after, ref32) and info.loss == info32.loss
+    _, ref64, _ = _dual_step(torch.float64, duplicated=False)
+    torch.manual_seed(0)
+    start = _params(nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4)))
+    step32, step64 = (after - start).double(), (ref64 - start).double()
+    assert float((step32 - step64).norm() / step64.norm()) <= rule.tol
+
+
+def test_auto_dual_keeps_float64_where_rows_are_dependent() -> None:
+    """Duplicated samples leave nothing to certify: the float64 step, bitwise."""
+    info, after, _ = _dual_step("auto", duplicated=True)
+    assert info.gram_dtype == "float64"
+    info64, ref64, _ = _dual_step(torch.float64, duplicated=True)
+    assert torch.equal(after, ref64) and info.loss == info64.loss

@@ -100,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         path = nodeid.split("::")[0]
         rows[path][f"{census.kind.get(nodeid, 'result')}:{outcome}"] += 1
     keys = ["result", "refusal", "warning"]
-    print("\n| file | cases | result against a reference | error (type and message) | warning | not passed |")
+    print(
+        "\n| file | cases | result against a reference | error (type and message) "
+        "| warning | not passed |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     total: collections.Counter[str] = collections.Counter()
     for path in FILES:

@@ -72,11 +72,11 @@ class Census:
             census._mark("warning")
             return census._warns(*args, **kwargs)
 
-        pytest.raises, pytest.warns = raises, warns  # type: ignore[assignment]
+        pytest.raises, pytest.warns = raises, warns
         try:
             return (yield)
         finally:
-            pytest.raises, pytest.warns = self._raises, self._warns  # type: ignore[assignment]
+            pytest.raises, pytest.warns = self._raises, self._warns
             self._current = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

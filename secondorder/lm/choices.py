@@ -6,7 +6,10 @@ object, :class:`Choices`:
 - the Jacobian strategy: per-sample reverse mode when a sample has few residuals
   (``4k ≤ n``), forward mode when it has many (``k ≥ 4n``), otherwise whichever of
   the two is faster on a few samples, timed once per input signature; the batch
-  modes when samples interact (BatchNorm in training mode, a ``ModelResidual``);
+  modes when samples interact (BatchNorm in training mode, a ``ModelResidual``, or
+  what the probe of the first batch of a signature shows).  A forced strategy is
+  used as given, checked where it runs
+  (:class:`~secondorder.lm.jacobian.CheckedStrategy`);
 - solver, form and slice size: the memory planner (:mod:`secondorder.lm.planner`),
   which raises :class:`~secondorder.lm.planner.PlanError` before J is computed when
   nothing fits;
@@ -32,12 +35,14 @@ from .config import LMConfig
 from .jacobian import (
     JACOBIANS,
     PROBE_SAMPLES,
+    CheckedStrategy,
     ProbeVerdict,
     Reference,
     batch_reference,
     check_strategy,
     coupling_message,
     make_jacobian,
+    random_message,
 )
 from .linalg import LinearSolver, NormalEquations
 from .model import ModelFunction, interacting_modules, slice_tree
@@ -53,22 +58,6 @@ PROBE_ENTRIES = 1 << 24
 
 #: The strategies ``"auto"`` chooses among.
 _CONCRETE = tuple(name for name in JACOBIANS if name != "auto")
-
-
-def _random_message(model: torch.nn.Module) -> str:
-    dropouts = [
-        name or type(m).__name__
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p
-    ]
-    where = f" (Dropout in training mode: {dropouts})" if dropouts else ""
-    return (
-        "jacobian='auto': the residuals differ between two evaluations of the same "
-        f"batch at the same parameters{where}. LM compares the loss of one batch before "
-        "and after a step, so a random model makes it accept and reject at random: call "
-        "model.eval() (or set the dropout probability to 0) for the LM steps, or pass "
-        "jacobian='batch_reverse' to step anyway, with a new random draw at every evaluation."
-    )
 
 
 def set_solver_dtype(solver: LinearSolver, dtype: torch.dtype) -> None:
@@ -140,6 +129,9 @@ class Choices:
             # At least one slice per device, or some devices would sit idle.
             slices = min(slices, -(-batch // len(fn.group)))
         strategy = make_jacobian(name, slice_size if name.startswith("batch") else None)
+        if cfg.jacobian != "auto" or fn.coupled_residual:
+            # "auto" checked its choice on a probe; these are checked where they run.
+            strategy = CheckedStrategy(strategy, fn.model)
         if cfg.cg_preconditioner == "kfac" and plan.solver == "cg" and not strategy.per_sample:
             raise ValueError(
                 f"cg_preconditioner='kfac' needs per-sample residuals, but this batch uses "
@@ -210,10 +202,17 @@ class Choices:
         (GRU/RNN, ``Embedding(max_norm=...)``) make ``"auto"`` move on to the next
         candidate, and the residual function is checked to depend on the parameters.
         The check costs about one step on the probe, two more evaluations of it and a
-        few host synchronisations, once per signature.  A forced strategy is not
-        probed: it runs as asked.  With several ranks, one all-reduce of a few numbers per step
-        makes every rank take the same choice (a rank meeting a new signature alone
-        would otherwise run the check's collectives alone).
+        few host synchronisations, once per signature.  With several ranks, one
+        all-reduce of a few numbers per step makes every rank take the same choice (a
+        rank meeting a new signature alone would otherwise run the check's collectives
+        alone).
+
+        A forced strategy is returned as given, never switched: it is checked where it
+        runs, on the first slice of each signature
+        (:class:`~secondorder.lm.jacobian.CheckedStrategy`: the same probe for
+        ``"reverse"``/``"forward"``, residuals that ignore the parameters for the
+        batch modes), and raises where its Jacobian would be wrong.  That check is
+        local to each rank and calls no collective.
         """
         cfg, fn = self.config, self.function
         m_total = m_total or m
@@ -232,9 +231,7 @@ class Choices:
                     "or 'auto', or call model.eval()"
                 )
         if cfg.jacobian != "auto":
-            # A forced strategy runs as asked: no probe, so the residual function is
-            # called exactly as the step's schedule says.  "reverse" on nn.Linear
-            # models still refuses interacting samples (see _fast_rows).
+            # A forced strategy runs as asked; setup() wraps it in a CheckedStrategy.
             return cfg.jacobian
         if fn.coupled_residual:
             # The residual needs the model itself: only the batch modes apply.
@@ -366,7 +363,7 @@ class Choices:
                 )
             assert reference is not None
             if random:
-                raise ValueError(_random_message(fn.model))
+                raise ValueError(random_message("auto", fn.model))
             verdicts: dict[str, ProbeVerdict] = {}
             chosen: str | None = None
             coupled = False

@@ -28,9 +28,10 @@ cost:
   residual of the slice, forward one forward per parameter; the cheaper is taken
   under ``"auto"``.
 
-Per-sample strategies assume each sample's residuals depend on that sample only;
-``"auto"`` checks the model for modules that break this and falls back to a
-whole-batch mode.
+Per-sample strategies assume each sample's residuals depend on that sample only.
+``"auto"`` checks its candidates on a probe of the batch and falls back to a
+whole-batch mode; a strategy the user forced is wrapped in :class:`CheckedStrategy`,
+which runs the same check once per input signature and raises instead of switching.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import jacfwd, jacrev, vmap
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from . import conv_rows
 
@@ -51,6 +52,8 @@ __all__ = [
     "PROBE_SAMPLES",
     "BatchForward",
     "BatchReverse",
+    "CheckedStrategy",
+    "CouplingError",
     "JacobianStrategy",
     "LinearLayer",
     "PerSampleForward",
@@ -64,6 +67,8 @@ __all__ = [
     "coupling_message",
     "linear_layers",
     "make_jacobian",
+    "random_message",
+    "unsupported_message",
 ]
 
 Params = dict[str, Tensor]
@@ -125,6 +130,8 @@ class ResidualProgram:
             forward pass that calls one in training mode (as ``vmap`` does), through
             hooks on these modules only (a global module hook would make
             ``torch.compile`` of the user's model warn and fall back).
+        checked: per strategy and input signature, whether :class:`CheckedStrategy`
+            has checked a forced strategy on this program (the probe's size).
     """
 
     per_sample: Callable[[Params, Any, Any], Tensor] | None
@@ -134,6 +141,7 @@ class ResidualProgram:
     layers: tuple[LinearLayer, ...] | None = None
     verified: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
     random_modules: tuple[nn.Module, ...] = ()
+    checked: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _with_aux(f: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -433,7 +441,15 @@ def _refuse_coupling(program: ResidualProgram, params: Params, inputs: Any, targ
     reference = batch_reference(program, params, inputs, targets)
     verdict = check_strategy(_VmapReverse(), program, params, inputs, targets, reference)
     if verdict.status == "coupled":
-        raise ValueError(coupling_message("reverse", verdict.detail))
+        raise CouplingError("reverse", verdict.detail)
+
+
+class CouplingError(ValueError):
+    """A per-sample strategy met samples that interact (see :func:`coupling_message`)."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(coupling_message(name, detail))
+        self.detail = detail
 
 
 def coupling_message(name: str, detail: str) -> str:
@@ -583,6 +599,32 @@ def _close(a: Tensor, b: Tensor, scale: Tensor) -> Tensor:
     return (a - b).abs().max() <= eps**0.5 * scale + torch.finfo(a.dtype).tiny
 
 
+def _tracked(
+    program: ResidualProgram, params: Params, inputs: Any, targets: Any
+) -> tuple[Params, Tensor]:
+    """The residuals of the whole slice at leaves that require grad, and the leaves.
+
+    Raises :class:`ResidualsIndependentError` when they carry no gradient.
+    """
+    with torch.enable_grad():
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        r = program.batch(leaves, inputs, targets)
+    if not r.requires_grad:
+        call = (
+            "residual_fn(model(inputs), targets)"
+            if program.per_sample is not None
+            else "the ModelResidual's fn(model, inputs, targets)"
+        )
+        raise ResidualsIndependentError(
+            "the residuals do not depend on the model's trainable parameters: "
+            f"{call} returned a tensor with no gradient (requires_grad=False), so J "
+            "would be zero and the fit would stop at once with a false convergence. "
+            "residual_fn must compute its output from the model's output with torch "
+            "operations (no .detach(), .item(), .numpy() or torch.no_grad())."
+        )
+    return leaves, r
+
+
 def batch_reference(
     program: ResidualProgram, params: Params, inputs: Any, targets: Any
 ) -> Reference:
@@ -592,17 +634,7 @@ def batch_reference(
     the parameters (a ``residual_fn`` that detaches, or that computes through NumPy or
     ``.item()``): no Jacobian strategy could be right.
     """
-    with torch.enable_grad():
-        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-        r = program.batch(leaves, inputs, targets)
-    if not r.requires_grad:
-        raise ResidualsIndependentError(
-            "the residuals do not depend on the model's trainable parameters: "
-            "residual_fn(model(inputs), targets) returned a tensor with no gradient "
-            "(requires_grad=False). residual_fn must compute its output from the model's "
-            "output with torch operations (no .detach(), .item(), .numpy() or "
-            "torch.no_grad())."
-        )
+    leaves, r = _tracked(program, params, inputs, targets)
     gen = torch.Generator().manual_seed(0)
     w = 2.0 ** torch.randint(-1, 2, (r.numel(),), generator=gen).double()
     w = w * (1 - 2 * torch.randint(0, 2, (r.numel(),), generator=gen)).double()
@@ -645,6 +677,8 @@ class ProbeVerdict:
 
     status: str
     detail: str = ""
+    #: What the strategy raised (``"failed"`` only).
+    error: Exception | None = field(default=None, compare=False, repr=False)
 
 
 def check_strategy(
@@ -665,9 +699,11 @@ def check_strategy(
     """
     try:
         jac, r = strategy(program, params, inputs, targets)
+    except CouplingError as exc:  # the outer-product rule's own check saw the interaction
+        return ProbeVerdict("coupled", exc.detail)
     except Exception as exc:  # any failure means "not this strategy"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return ProbeVerdict("failed", f"{type(exc).__name__}: {first[:300]}")
+        return ProbeVerdict("failed", f"{type(exc).__name__}: {first[:300]}", exc)
     ref = reference
     if r.shape != ref.residuals.shape:
         return ProbeVerdict(
@@ -694,3 +730,132 @@ def check_strategy(
     if not same_j_h:
         return ProbeVerdict("coupled", "the Jacobian's rows differ from the whole batch's")
     return ProbeVerdict("ok")
+
+
+# -- checking a strategy the user forced ------------------------------------------------------
+def random_message(name: str, model: nn.Module) -> str:
+    """The error for residuals that differ between two evaluations (Dropout in training)."""
+    dropouts = [
+        path or type(m).__name__
+        for path, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p
+    ]
+    where = f" (Dropout in training mode: {dropouts})" if dropouts else ""
+    return (
+        f"jacobian={name!r}: the residuals differ between two evaluations of the same "
+        f"batch at the same parameters{where}. LM compares the loss of one batch before "
+        "and after a step, so a random model makes it accept and reject at random: call "
+        "model.eval() (or set the dropout probability to 0) for the LM steps, or pass "
+        "jacobian='batch_reverse' to step anyway, with a new random draw at every evaluation."
+    )
+
+
+def _vmap_blockers(model: nn.Module, name: str) -> list[str]:
+    """Modules per-sample ``vmap`` cannot run in mode ``name``, as ``'path' (Kind)``."""
+    found = []
+    for path, m in model.named_modules():
+        label, kind = repr(path or type(m).__name__), type(m).__name__
+        if isinstance(m, nn.RNNBase):
+            found.append(f"{label} ({kind})")
+        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            if m.max_norm is not None:
+                found.append(f"{label} ({kind}(max_norm={m.max_norm}))")
+            elif m.sparse and name == "reverse":  # forward mode never forms the sparse grad
+                found.append(f"{label} ({kind}(sparse=True))")
+    return found
+
+
+def unsupported_message(name: str, model: nn.Module, detail: str) -> str:
+    """The error for a per-sample strategy that raised on a probe the batch evaluates."""
+    blockers = _vmap_blockers(model, name)
+    cause = (
+        f"torch.func.vmap cannot run its module(s) {', '.join(blockers)} sample by sample"
+        if blockers
+        else (
+            "it raised sample by sample where the whole batch evaluated at once did not "
+            "(samples that interact, such as F.batch_norm(training=True), or an operation "
+            "torch.func.vmap cannot run)"
+        )
+    )
+    whole = "batch_forward" if name == "forward" else "batch_reverse"
+    other = "batch_reverse" if name == "forward" else "batch_forward"
+    return (
+        f"jacobian={name!r} cannot compute this model's per-sample Jacobian: {cause} "
+        f"({detail}). Use jacobian={whole!r} (or {other!r}), which differentiates the "
+        "whole batch at once, or 'auto', which checks and switches. Nothing was changed."
+    )
+
+
+def _leading_size(tree: Any) -> int:
+    leaves = [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor) and t.ndim]
+    return int(leaves[0].shape[0]) if leaves else 0
+
+
+def _head(tree: Any, size: int) -> Any:
+    """The first ``size`` samples of every tensor in ``tree``."""
+    return tree_map(lambda t: t[:size] if isinstance(t, Tensor) and t.ndim else t, tree)
+
+
+class CheckedStrategy(JacobianStrategy):
+    """A strategy the user forced, checked on the first slice of each input signature.
+
+    ``jacobian="auto"`` checks its candidates itself and switches; a forced strategy
+    runs as asked, but raises (during the linearisation, so the step changes nothing)
+    where its Jacobian would be wrong:
+
+    * per-sample (``"reverse"``, ``"forward"``): the strategy runs on a probe of the
+      slice's first :data:`PROBE_SAMPLES` samples and is compared with the probe
+      evaluated at once (:func:`check_strategy`, as ``"auto"`` does).  Samples that
+      interact raise :class:`CouplingError`; a model ``vmap`` cannot run (GRU/LSTM,
+      ``Embedding(max_norm=...)``) a ``ValueError`` naming the module and the
+      whole-batch modes; a random model (Dropout in training) and residuals that
+      ignore the parameters their own errors.  Cost, once per signature: the strategy
+      on the probe and two evaluations of it (three calls of ``residual_fn``).
+    * whole-batch: a slice whose J is exactly zero (one host synchronisation, once)
+      is evaluated once more with autograd on, and residuals that carry no gradient
+      raise :class:`ResidualsIndependentError` instead of a false convergence.
+
+    The check is local to this rank and calls no collective: a rank that raises
+    makes every rank raise through the linearisation's failure flags.
+    """
+
+    def __init__(self, inner: JacobianStrategy, model: nn.Module) -> None:
+        self.inner = inner
+        self.model = model
+        self.name = inner.name
+        self.per_sample = inner.per_sample
+
+    def __call__(  # noqa: D102
+        self, program: ResidualProgram, params: Params, inputs: Any, targets: Any
+    ) -> tuple[Tensor, Tensor]:
+        key = f"{self.name}|{_signature(inputs, targets)}"
+        done = program.checked.get(key, 0)
+        size = min(_leading_size(inputs), PROBE_SAMPLES)
+        # A probe of one sample shows no interaction: a larger slice is probed again.
+        probe = self.per_sample and done < 2 and size > done
+        if probe and self._probe(program, params, inputs, targets, size):
+            program.checked[key] = size
+        jac, r = self.inner(program, params, inputs, targets)
+        if not self.per_sample and key not in program.checked:
+            if not bool(jac.any()):
+                _tracked(program, params, inputs, targets)  # raises if r ignores θ
+            program.checked[key] = 1
+        return jac, r
+
+    def _probe(
+        self, program: ResidualProgram, params: Params, inputs: Any, targets: Any, size: int
+    ) -> bool:
+        """Check the strategy on ``size`` samples; whether the check decided (finite numbers)."""
+        p_in = _head(inputs, size)
+        p_t = _head(targets, size) if program.targets_batched else targets
+        reference = batch_reference(program, params, p_in, p_t)
+        if not reference.repeatable:
+            raise ValueError(random_message(self.name, self.model))
+        verdict = check_strategy(self.inner, program, params, p_in, p_t, reference)
+        if verdict.status == "coupled":
+            raise CouplingError(self.name, verdict.detail)
+        if verdict.status == "failed":
+            raise ValueError(
+                unsupported_message(self.name, self.model, verdict.detail)
+            ) from verdict.error
+        return verdict.status == "ok"

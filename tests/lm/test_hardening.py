@@ -2,12 +2,14 @@
 
 Faults are injected for real, at a chosen stage of a step, by residual functions and
 models that count their calls: with an explicit per-sample Jacobian and
-``slice_size=10`` on a batch of 40, one step calls the residual function once to
-validate the batch (call 1), once per slice to linearise (calls 2-5, autograd on) and
-once per slice for every trial point (calls 6-9 for the first attempt, 10-13 for the
-second, ...).  ``test_call_schedule`` pins that schedule so the other tests can rely
-on it.  Every test compares with a reference: the parameters before the step
-(bitwise), a clean optimizer in the state the faulty one should be in, or
+``slice_size=10`` on a batch of 40, the first step of an input signature (the step
+most tests here fault) calls the residual function once to validate the batch (call
+1), three times to check the forced strategy on a probe of the first slice (calls 2-4,
+autograd on; later steps of the signature skip it), once per slice to linearise (calls
+5-8, autograd on) and once per slice for every trial point (calls 9-12 for the first
+attempt, 13-16 for the second, ...).  ``test_call_schedule`` pins that schedule so the
+other tests can rely on it.  Every test compares with a reference: the parameters
+before the step (bitwise), a clean optimizer in the state the faulty one should be in, or
 ``torch.linalg.lstsq``.
 """
 
@@ -30,8 +32,9 @@ F64 = torch.float64
 BATCH, SLICE = 40, 10
 N_SLICES = BATCH // SLICE
 VALIDATE_CALL = 1
-LINEARIZE_CALLS = range(2, 2 + N_SLICES)  # 2..5
-FIRST_TRIAL_CALLS = range(2 + N_SLICES, 2 + 2 * N_SLICES)  # 6..9
+PROBE_CALLS = range(2, 5)  # the first step of a signature only
+LINEARIZE_CALLS = range(5, 5 + N_SLICES)  # 5..8
+FIRST_TRIAL_CALLS = range(5 + N_SLICES, 5 + 2 * N_SLICES)  # 9..12
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -137,9 +140,12 @@ def test_call_schedule(jacobian):
     res = FaultyResidual()
     info = lm(mlp(), res, jacobian=jacobian).step(x, y)
     assert info.accepted and info.attempts >= 1
-    assert res.calls == 1 + N_SLICES + N_SLICES * info.attempts
-    # validation (no grad), linearisation (autograd), trials (no grad)
-    assert res.grad_enabled == [False] + [True] * N_SLICES + [False] * N_SLICES * info.attempts
+    probe = len(PROBE_CALLS)
+    assert res.calls == 1 + probe + N_SLICES + N_SLICES * info.attempts
+    # validation (no grad), probe and linearisation (autograd), trials (no grad)
+    assert res.grad_enabled == (
+        [False] + [True] * (probe + N_SLICES) + [False] * N_SLICES * info.attempts
+    )
 
 
 # -- faults at the current point: one slice only ------------------------------------------------
@@ -155,7 +161,7 @@ def test_nonfinite_residuals_in_one_slice_are_rejected(jacobian, kind, slice_ind
     opt = lm(model, res, jacobian=jacobian)
     before, lam0 = params_of(model), opt.damping
     info = opt.step(x, y)
-    assert res.calls == 1 + N_SLICES, "the step must stop after linearising"
+    assert res.calls == 1 + len(PROBE_CALLS) + N_SLICES, "the step must stop after linearising"
     assert not info.accepted and info.attempts == 1 and not info.terminated
     assert "non-finite residuals or Jacobian" in info.reason
     assert not math.isfinite(info.loss)
@@ -256,6 +262,7 @@ def test_trial_fault_then_success_equals_a_clean_run_at_the_raised_damping():
 
 STAGES = {
     "validate": VALIDATE_CALL,
+    "probe": PROBE_CALLS[0],
     "linearize-first-slice": LINEARIZE_CALLS[0],
     "linearize-last-slice": LINEARIZE_CALLS[-1],
     "trial-first-slice": FIRST_TRIAL_CALLS[0],

@@ -1,10 +1,12 @@
 """Issue 15: LM steps that would silently go wrong, or leave state behind when they fail.
 
 Faults are injected at a chosen call of the residual function.  With the per-sample
-``"reverse"`` Jacobian and ``slice_size=10`` on a batch of 40, a step calls it once to
-validate the batch (call 1), once per slice to linearise (calls 2-5) and once per slice
-for every trial point (6-9 for the first attempt, 10-13 for the second, ...); see
-``test_call_schedule`` in ``test_hardening.py``.  The references are the parameters
+``"reverse"`` Jacobian and ``slice_size=10`` on a batch of 40, the first step of an input
+signature calls it once to validate the batch (call 1), three times to check the forced
+strategy on a probe of the first slice (calls 2-4), once per slice to linearise (calls
+5-8) and once per slice for every trial point (9-12 for the first attempt, 13-16 for the
+second, ...); a later step of the same signature has no probe (its calls are 3 lower);
+see ``test_call_schedule`` in ``test_hardening.py``.  The references are the parameters
 and ``state_dict()`` before the step (bitwise) and an optimizer that never saw the fault.
 """
 
@@ -22,8 +24,9 @@ from secondorder.lm.checkpoint import entries
 
 F64 = torch.float64
 BATCH, SLICE = 40, 10
-FIRST_TRIAL = 6
-SECOND_TRIAL = 10
+PROBE_CALLS = 3  # the first step of a signature only
+FIRST_TRIAL = 6 + PROBE_CALLS
+SECOND_TRIAL = 10 + PROBE_CALLS
 
 
 def params_of(model: nn.Module) -> list[Tensor]:
@@ -160,8 +163,9 @@ def rank_count_change(rank: int, world: int) -> tuple[str, bool, bool, float, st
     share = BATCH // world
     xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
     model = mlp()
-    # Call 1 validates, call 2 linearises the one slice, call 3 is the first trial.
-    res = Injected({3: "double"} if rank == 1 else {})
+    # Call 1 validates, calls 2-4 check the forced strategy on a probe, call 5
+    # linearises the one slice, call 6 is the first trial.
+    res = Injected({6: "double"} if rank == 1 else {})
     opt = lm(model, res, slice_size=share)
     before, state = params_of(model), opt.state_dict()
     message = ""
@@ -218,13 +222,14 @@ def test_count_or_model_change_on_one_rank_raises_on_every_rank():
 def test_failure_in_second_attempt_restores_damping_state(kind, rule, matrix, slice_in_attempt):
     x, y = sine_data()
     model = mlp()
-    call = SECOND_TRIAL + slice_in_attempt
+    # The faulty step is the signature's second: no probe, so its calls are 3 lower.
+    call = SECOND_TRIAL - PROBE_CALLS + slice_in_attempt
     res = Injected()
-    blown = {FIRST_TRIAL + i: 1e3 for i in range(BATCH // SLICE)}
+    blown = {FIRST_TRIAL - PROBE_CALLS + i: 1e3 for i in range(BATCH // SLICE)}
     seen_damping: list[float] = []
 
     def residual(outputs: Tensor, targets: Tensor) -> Tensor:
-        if res.calls + 1 == SECOND_TRIAL:
+        if res.calls + 1 == SECOND_TRIAL - PROBE_CALLS:
             # The second attempt starts: the first was rejected and λ raised.
             seen_damping.append(opt.damping)
         r = res(outputs, targets)

@@ -2,8 +2,10 @@
 
 Under the default ``jacobian="auto"`` a GRU/RNN/LSTM, an ``Embedding(max_norm=...)``
 and an ``Embedding(sparse=True)`` get a strategy that works, and the normal equations
-it builds equal those of :func:`torch.func.jacrev` of the whole residual vector.
-Dropout in training mode is refused with a message that says what to do.  No global
+it builds equal those of :func:`torch.func.jacrev` of the whole residual vector.  A
+forced per-sample strategy that cannot run them is refused before anything changes,
+with a message naming the module and the strategies that work.  Dropout in training
+mode is refused with a message that says what to do.  No global
 module hook is registered during a step (``torch.compile`` warns about those).
 """
 
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 import secondorder as so
+from secondorder.lm.checkpoint import entries
 
 DT = torch.float64
 # vmap's fallback for ops without a batching rule warns; the probe tries those first.
@@ -101,6 +104,92 @@ def test_auto_finds_a_strategy_that_matches_jacrev(kind: str) -> None:
     torch.testing.assert_close(gram, J.T @ J)
     info = opt.step(x, y)
     assert info.loss < info.loss_before
+
+
+def state_of(opt: so.LevenbergMarquardt) -> dict[str, object]:
+    return {
+        k: v.clone() if isinstance(v, Tensor) else v for k, v in entries(opt.state_dict()).items()
+    }
+
+
+def assert_unchanged(
+    model: nn.Module, before: list[Tensor], opt: so.LevenbergMarquardt, state: dict[str, object]
+) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    now = state_of(opt)
+    assert now.keys() == state.keys()
+    for k, v in state.items():
+        assert torch.equal(now[k], v) if isinstance(v, Tensor) else now[k] == v, k
+
+
+CAUSES = {
+    "gru": r"'rnn' \(GRU\)",
+    "rnn": r"'rnn' \(RNN\)",
+    "lstm": r"'rnn' \(LSTM\)",
+    "embedding-max-norm": r"'emb' \(Embedding\(max_norm=100\.0\)\)",
+    "embedding-sparse": r"'emb' \(Embedding\(sparse=True\)\)",
+}
+#: Forward mode never forms an embedding's sparse gradient: vmap runs it (see below).
+CANNOT = [(k, "reverse") for k in sorted(KINDS)] + [
+    (k, "forward") for k in sorted(KINDS) if k != "embedding-sparse"
+]
+
+
+@pytest.mark.parametrize(("kind", "jacobian"), CANNOT)
+def test_forced_per_sample_strategy_vmap_cannot_run_is_refused(kind: str, jacobian: str) -> None:
+    make, inputs = KINDS[kind]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = inputs()
+    y = torch.randn(12, 1, generator=torch.Generator().manual_seed(1), dtype=DT)
+    opt = so.LevenbergMarquardt(model, so.residuals.mse, jacobian=jacobian)
+    before, state = [p.detach().clone() for p in model.parameters()], state_of(opt)
+    whole = "batch_forward" if jacobian == "forward" else "batch_reverse"
+    with pytest.raises(
+        ValueError,
+        match=rf"jacobian='{jacobian}' cannot compute this model's per-sample Jacobian: "
+        rf"torch\.func\.vmap cannot run its module\(s\) {CAUSES[kind]} sample by sample.*"
+        rf"Use jacobian='{whole}'.*'auto'.*Nothing was changed",
+    ):
+        opt.step(x, y)
+    assert_unchanged(model, before, opt, state)
+
+
+def test_forced_forward_mode_runs_a_sparse_embedding_as_asked() -> None:
+    # A guard against refusing too much: forward mode runs Embedding(sparse=True)
+    # sample by sample, so the forced strategy is checked, kept and right.
+    make, inputs = KINDS["embedding-sparse"]
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = inputs()
+    y = torch.randn(12, 1, generator=torch.Generator().manual_seed(1), dtype=DT)
+    opt = so.LevenbergMarquardt(model, so.residuals.mse, jacobian="forward")
+    opt.plan(x, y)
+    problem = opt.internals().problem
+    assert problem is not None
+    system = problem.linearize(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    J, r = reference(model, x, y)
+    torch.testing.assert_close(system.grad, J.T @ r)
+    gram = system.gram if system.gram is not None else system.jac.T @ system.jac
+    torch.testing.assert_close(gram, J.T @ J)
+    info = opt.step(x, y)
+    assert info.jacobian == "forward" and info.loss < info.loss_before
+
+
+@pytest.mark.parametrize("jacobian", ["reverse", "forward"])
+def test_forced_per_sample_strategy_refuses_dropout_in_training_mode(jacobian: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 1)).to(DT)
+    x = torch.randn(16, 3, dtype=DT)
+    opt = so.LevenbergMarquardt(model, jacobian=jacobian)
+    before, state = [p.detach().clone() for p in model.parameters()], state_of(opt)
+    with pytest.raises(
+        ValueError,
+        match=rf"jacobian='{jacobian}': the residuals differ between two evaluations.*"
+        r"Dropout in training mode: \['1'\].*model\.eval\(\)",
+    ):
+        opt.step(x, x.sum(1, keepdim=True))
+    assert_unchanged(model, before, opt, state)
 
 
 def test_dropout_in_training_mode_is_refused_with_advice() -> None:

@@ -48,7 +48,7 @@ from .linalg import LinearSolver, NormalEquations
 from .model import ModelFunction, interacting_modules, slice_tree
 from .planner import USABLE_FRACTION, MemoryPlan, PlanError, available_memory, plan_memory
 from .precision import GramPrecision
-from .problem import BatchSetup
+from .problem import BatchSetup, raise_if_failed
 from .sharded import BroadcastSolver, ShardedCGSolver
 
 __all__ = ["Choices", "normal_matrix_dtype", "set_solver_dtype"]
@@ -426,16 +426,30 @@ class Choices:
         params = fn.points(fn.flat())[0]
         program = fn.replicas[0].program
         names = ("reverse", "forward")
-        elapsed = torch.zeros(len(names), dtype=torch.float64, device=fn.group.solver)
+        # The two timings, then a failure flag: a rank whose model raises on this slice
+        # joins the sum with it, so that every rank raises (no collective is added).
+        elapsed = torch.zeros(len(names) + 1, dtype=torch.float64, device=fn.group.solver)
+        world = self.reducer.world_size
+        error: Exception | None = None
         with fn.frozen(), fn.group.on(0):
-            for i, name in enumerate(names):
-                strategy = make_jacobian(name)
-                strategy(program, params, inputs, targets)  # warm-up
-                t0 = time.perf_counter()
-                strategy(program, params, inputs, targets)
-                elapsed[i] = time.perf_counter() - t0
+            try:
+                for i, name in enumerate(names):
+                    strategy = make_jacobian(name)
+                    strategy(program, params, inputs, targets)  # warm-up
+                    t0 = time.perf_counter()
+                    strategy(program, params, inputs, targets)
+                    elapsed[i] = time.perf_counter() - t0
+            except Exception as exc:
+                if world == 1:
+                    raise
+                error = exc
+                elapsed.zero_()
+                elapsed[-1] = 1.0
         # With several ranks, the summed timings make every rank choose the same mode.
         self.reducer.sum_([elapsed])
+        if world > 1:
+            what = "timing the per-sample Jacobian modes for jacobian='auto'"
+            raise_if_failed(error, int(elapsed[-1]), world, what)
         return names[1] if bool(elapsed[1] < elapsed[0]) else names[0]
 
     # -- memory ---------------------------------------------------------------------------

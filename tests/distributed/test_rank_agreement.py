@@ -7,10 +7,11 @@ Two gloo ranks, one launch, several scenarios:
   its timed probe (a collective) on rank 1 only and both ranks hung; now every rank
   decides together.  The parameters must equal one process's on the concatenated
   batch.
-* ``linearize`` / ``trial`` / ``geodesic*`` / ``kfac``: rank 1's model raises on a
+* ``linearize`` / ``trial`` / ``geodesic*`` / ``kfac`` / ``timing``: rank 1's model raises on a
   bad batch while linearising, at a trial point, while the geodesic acceleration
   evaluates it (primal form, dual form with gathered rows, CG with sharded rows), or
-  while the K-FAC factors of CG's preconditioner are computed; the loop on each rank
+  while the K-FAC factors of CG's preconditioner are computed, or (``timing``) while
+  ``jacobian="auto"`` times the per-sample modes of a new signature; the loop on each rank
   catches the error and goes on.  Every rank must raise (rank 0 a
   :class:`RankFailedError` saying what failed), leave its parameters and state
   bitwise as before the step, and the next steps must equal one process that met the
@@ -46,7 +47,8 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(1, 4), nn.Tanh(), nn.Linear(4, 1)).to(DT)
-        self.fail_on: str | None = None  # a value of phase()
+        self.fail_on: str | None = None  # a value of phase(), or "timing"
+        self.tangent_calls = 0
 
     def phase(self) -> str:
         """Which evaluation of a step runs, read from what the optimizer put in place."""
@@ -60,8 +62,14 @@ class Net(nn.Module):
 
     def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
         x, index = inputs
+        if self.fail_on == "timing" and self.phase() == "geodesic":
+            # Forward mode under "auto": the probe's check runs it once, then the
+            # timing of the per-sample modes; fail in the timing.
+            self.tangent_calls += 1
+            if self.tangent_calls == 2:
+                raise ValueError("bad batch")
         # The batch probe (two samples) passes.
-        if self.fail_on is not None and x.shape[0] > 2 and self.phase() == self.fail_on:
+        elif self.fail_on is not None and x.shape[0] > 2 and self.phase() == self.fail_on:
             raise ValueError("bad batch")
         out: Tensor = self.body(x) * (1 + 0 * index[:, None].to(x))
         return out
@@ -98,6 +106,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], str | None]] = {
     "geodesic_dual": ({"geodesic": True, "form": "dual"}, "geodesic"),
     "geodesic_cg": ({"geodesic": True, "solver": "cg"}, "geodesic"),
     "kfac": ({"solver": "cg", "cg_preconditioner": "kfac"}, "kfac"),
+    "timing": ({}, "timing"),
 }
 
 
@@ -111,15 +120,19 @@ def run(scenario: str, rank: int | None, reducer: Any = None) -> list[tuple[Tens
     # "auto" times the per-sample modes: the signature scenario is about that choice; the
     # failure scenarios fix the Jacobian, since forward mode linearises without grad and
     # would move the failure from linearising to the trial point under some timings.
-    jacobian = "auto" if scenario == "signature" else "reverse"
+    jacobian = "auto" if scenario in ("signature", "timing") else "reverse"
     opt = so.LevenbergMarquardt(model, six, reducer=reducer, jacobian=jacobian, **options)
     out = []
     for step in range(3):
-        dtype = torch.int32 if scenario == "signature" and step == 1 and rank == 1 else None
+        # "signature": rank 1 alone meets a new signature; "timing": every rank does,
+        # so "auto" checks and times the per-sample modes again at step 1.
+        new = (scenario == "signature" and rank == 1) or scenario == "timing"
+        dtype = torch.int32 if step == 1 and new else None
         inputs, targets = batch(step, dtype or torch.int64)
         if rank is not None:
             inputs, targets = shard(inputs, rank), shard(targets, rank)
         model.fail_on = fail_on if step == 1 and rank in (1, None) else None
+        model.tangent_calls = 0
         try:
             info = opt.step(inputs, targets)
             what = info.jacobian
@@ -144,6 +157,7 @@ WHAT = {
     "trial": "evaluating a trial point",
     "geodesic": "computing the geodesic acceleration",
     "kfac": "computing the K-FAC factors",
+    "timing": "timing the per-sample Jacobian modes",
 }
 
 

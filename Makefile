@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # own index: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_INDEX ?=
 
-.PHONY: venv demo bench bench-quick scaling bench-kfac bench-shampoo scaling-shampoo test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick scaling bench-kfac bench-shampoo scaling-shampoo reliability test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ bench-shampoo: $(VENV)/.bench
 
 scaling-shampoo: venv
 	$(PY) -m benchmarks.shampoo_scaling
+
+reliability: venv
+	$(PY) -m benchmarks.reliability
 
 lint: venv
 	$(PY) -m ruff check secondorder tests examples benchmarks

@@ -33,12 +33,14 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .kfac_cg import KroneckerStats
 
 __all__ = [
+    "HOST_MAX_N",
     "SOLVERS",
     "CholeskySolver",
     "EighSolver",
@@ -111,6 +113,8 @@ class NormalEquations:
         r or J is zero).  Computed once and kept: the optimizer reads these numbers
         before its first attempt, and a GPU stalls at every read.
         """
+        if self._host is None and self._small_on_host():
+            self._host = self._scalars_in_numpy()
         if self._host is None:
             # J itself is not scanned: col_sq = Σ J² is finite exactly when every entry
             # of J is (or its squares overflow J's dtype, which no normal matrix in
@@ -134,6 +138,38 @@ class NormalEquations:
             if self.dual_scale is not None:
                 self._dual_scale_host = values[3]
         return self._host
+
+    def _small_on_host(self) -> bool:
+        parts = [self.loss_sum, self.grad, self.col_sq, self.gram]
+        return (
+            self.dual_scale is None
+            and self.grad.numel() <= HOST_MAX_N
+            and all(
+                t.device.type == "cpu" and t.dtype == torch.float64 for t in parts if t is not None
+            )
+        )
+
+    def _scalars_in_numpy(self) -> tuple[bool, float, float]:
+        """:meth:`scalars` for a few float64 parameters on the CPU, in NumPy.
+
+        The same operations without a torch call; the cosine may differ from torch's
+        in its last bit (it is only compared with gtol).
+        """
+        with np.errstate(all="ignore"):
+            loss = float(self.loss_sum)
+            grad, col_sq = self.grad.numpy(), self.col_sq.numpy()
+            finite = math.isfinite(loss) and bool(
+                np.isfinite(grad).all() & np.isfinite(col_sq).all()
+            )
+            if finite and self.gram is not None:
+                finite = bool(np.isfinite(self.gram.numpy()).all())
+            rnorm = math.sqrt(max(loss, 0.0)) if not math.isnan(loss) else math.nan
+            colnorm = np.sqrt(col_sq)
+            ratio = np.abs(grad) / (colnorm * rnorm)
+            cos = float(np.where(colnorm > 0, ratio, 0.0).max(initial=-math.inf))
+        if not rnorm > 0:  # r = 0 (or not a number): no angle
+            cos = 0.0
+        return finite, loss, cos
 
     def dual_scale_value(self) -> float | None:
         """``dual_scale`` as a number (read in :meth:`scalars`'s one synchronisation)."""
@@ -194,6 +230,13 @@ class Factorization:
 
     #: Conjugate-gradient iterations spent by the last :meth:`solve` (0 for direct solvers).
     iterations: int = 0
+    #: Whether :meth:`solve_scaled` gives ``(δ, ‖D^½δ‖)`` without touching the device
+    #: (a few parameters: the factors live in NumPy arrays on the host).
+    on_host: bool = False
+
+    def solve_scaled(self, damping: float, w: Tensor) -> tuple[Tensor, float] | None:
+        """``(δ, ‖D^½δ‖)`` for ``b = Jᵀw``, or ``None`` if it failed (only when :attr:`on_host`)."""
+        raise NotImplementedError
 
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         """Return ``(JᵀJ + λD)⁻¹ b`` with ``b = Jᵀw``, or ``None`` if it failed.
@@ -409,19 +452,115 @@ class _QR(Factorization):
         return (q @ z) / self.sqrt_d
 
 
+class _HostSVD(Factorization):
+    """A few parameters on the host: one SVD of ``J D^-½``, then each λ in O(mn).
+
+    With ``J D^-½ = U S Vᵀ`` the damped least-squares step and its scaled length are
+
+        δ(λ) = D^-½ V diag(s / (s² + λ)) Uᵀw,     ‖D^½δ(λ)‖ = ‖s / (s² + λ) ∘ Uᵀw‖,
+
+    the same minimiser the per-λ QR of ``[J; √λ·D^½]`` finds (an SVD, like that QR,
+    works on J and squares no condition number).  At λ = 0 a zero singular value
+    contributes nothing: the minimum-norm Gauss-Newton step, the limit λ → 0.  For
+    n ≤ :data:`HOST_MAX_N` float64 columns on the CPU, torch's per-call overhead
+    (tens of µs a call, a host read per check) is the whole cost of a solve; here
+    J crosses to NumPy once per iteration and a trust region's search for λ costs a
+    few NumPy vector operations per λ.
+    """
+
+    on_host = True
+
+    def __init__(self, jac: Tensor, d: Tensor) -> None:
+        with np.errstate(all="ignore"):
+            self.inv_sqrt_d = 1.0 / np.sqrt(d.numpy())
+            a = jac.numpy() * self.inv_sqrt_d
+            if not np.isfinite(a).all():
+                # LAPACK's SVD may not return on NaN or inf; a finite J with a huge D^-½
+                # overflows here: a failed factorisation, and λ rises.
+                raise torch.linalg.LinAlgError("J D^-1/2 is not finite")
+            try:
+                self.u, self.s, self.vt = np.linalg.svd(a, full_matrices=False)
+            except np.linalg.LinAlgError as exc:
+                # Not converged: the engine raises λ on torch's error, as after a failed QR.
+                raise torch.linalg.LinAlgError(f"SVD of J D^-1/2: {exc}") from exc
+            self.s2 = self.s * self.s
+        self._w: Tensor | None = None
+        self._c = np.zeros(0)
+        self._safe = False
+
+    def _coefficients(self, w: Tensor) -> np.ndarray:
+        # The LM direction and the λ search share w = -r: project it once, and decide
+        # once whether a step can overflow (‖z‖ ≤ ‖Uᵀw‖/s_min for every λ ≥ 0), so the
+        # per-λ solves skip NumPy's error-state guard when it cannot.
+        if w is not self._w:
+            with np.errstate(all="ignore"):
+                self._c = self.u.T @ w.numpy()
+                smallest = float(self.s[-1]) if self.s.size else 0.0
+                bound = float(np.abs(self._c).sum()) / smallest if smallest > 1e-150 else math.inf
+                self._safe = bool(bound * float(self.inv_sqrt_d.max(initial=0.0)) < 1e140)
+            self._w = w
+        return self._c
+
+    def _step(self, damping: float, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if damping > 0.0 or self.s2[-1] > 0.0:
+            z = self.s / (self.s2 + damping) * c
+        else:
+            # λ = 0 with a zero singular value: it contributes nothing (pseudo-inverse).
+            denom = self.s2 + damping
+            z = np.divide(self.s, denom, out=np.zeros_like(self.s), where=denom > 0) * c
+        return z, self.inv_sqrt_d * (self.vt.T @ z)
+
+    def solve_scaled(self, damping: float, w: Tensor) -> tuple[Tensor, float] | None:
+        c = self._coefficients(w)
+        if not self.s.size:  # no parameters (or no residuals): the step is empty
+            return torch.zeros(self.inv_sqrt_d.size, dtype=torch.float64), 0.0
+        if self._safe:
+            z, delta = self._step(damping, c)
+        else:
+            with np.errstate(all="ignore"):  # an overflow is a failed solve, as on the device
+                z, delta = self._step(damping, c)
+        if not np.isfinite(delta).all():
+            return None
+        return torch.from_numpy(delta), math.sqrt(float(z @ z))
+
+    def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
+        out = self.solve_scaled(damping, _require_w(w, "qr"))
+        return None if out is None else out[0]
+
+
+#: Columns up to which :class:`QRSolver` (with ``host=True``) solves on the host.
+HOST_MAX_N = 16
+
+
 class QRSolver(LinearSolver):
-    """QR of J itself (MINPACK's approach): squares no condition number."""
+    """QR of J itself (MINPACK's approach): squares no condition number.
+
+    ``host=True`` (the functional :func:`~secondorder.least_squares`): a float64 J on
+    the CPU with at most :data:`HOST_MAX_N` columns is factored on the host instead
+    (:class:`_HostSVD`), where a per-λ solve costs microseconds, not torch calls.
+    """
 
     name = "qr"
     needs_jacobian = True
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dtype: torch.dtype | None = None, host: bool = False) -> None:
         self.dtype = dtype
+        self.host = host
 
     def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
         if system.jac is None:
             raise RuntimeError("the qr solver needs the Jacobian")
-        return _QR(system.jac, d, self.dtype or system.jac.dtype)
+        dtype = self.dtype or system.jac.dtype
+        jac = system.jac
+        if (
+            self.host
+            and dtype == torch.float64 == jac.dtype == d.dtype
+            and jac.device.type == "cpu"
+            and jac.ndim == 2
+            and jac.shape[1] <= HOST_MAX_N
+        ):
+            return _HostSVD(jac, d)
+        return _QR(jac, d, dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -438,14 +577,18 @@ def make_solver(
     cg_max_iter: int | None = None,
     cg_forcing: float | None = None,
     cg_preconditioner: str = "jacobi",
+    host: bool = False,
 ) -> LinearSolver:
-    """Build the solver called ``name``; ``"auto"`` is resolved by the caller."""
+    """Build the solver called ``name``; ``"auto"`` is resolved by the caller.
+
+    ``host``: let ``"qr"`` factor a few float64 CPU columns in NumPy (:class:`QRSolver`).
+    """
     if name == "cholesky":
         return CholeskySolver(dtype)
     if name == "eigh":
         return EighSolver(dtype)
     if name == "qr":
-        return QRSolver(dtype)
+        return QRSolver(dtype, host=host)
     if name == "cg":
         # cg.py builds on this module's record and interfaces, so it is imported here.
         from .cg import CGSolver

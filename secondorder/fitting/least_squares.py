@@ -117,8 +117,9 @@ def least_squares(
             with a tensor ``x0``), the other kind is used throughout, and the result
             still has ``x0``'s kind.
         x0: starting point: a scalar or 1-D, finite (tensor, array or sequence).
-        jac: ``"auto"`` (forward mode when residuals outnumber parameters, else
-            reverse; finite differences for a NumPy ``fun``), ``"fwd"``, ``"rev"``,
+        jac: ``"auto"`` (reverse mode for up to 16 parameters and 256 residuals or
+            fewer residuals than parameters, else forward mode; finite differences for a
+            NumPy ``fun``), ``"fwd"``, ``"rev"``,
             ``"2-point"``, ``"3-point"``, ``"cs"`` (complex step: ``fun`` must accept
             complex input), or a callable ``jac(x, *args, **kwargs) -> (m, n)``; a
             scipy.sparse result is made dense, a ``LinearOperator`` is refused.

@@ -448,11 +448,8 @@ def _choose(loop: _Loop) -> float:
         assert w is not None
 
         def scaled_norm(lam: float) -> float | None:
-            out = fact.solve_scaled(lam, w)
-            if out is None:
-                return None
-            solved[lam] = out[0]
-            return out[1]
+            # The norm alone: the step is formed once, at the λ chosen (_direction).
+            return fact.scaled_norm(lam, w)
 
     else:
         wide = torch.float64
@@ -488,6 +485,9 @@ def _direction(loop: _Loop, lam: float) -> Tensor | None:
     x, system, fact, config = loop.x, loop.system, loop.fact, loop.config
     if loop.chosen is not None and loop.chosen[0] == lam:
         v: Tensor | None = loop.chosen[1]
+    elif loop.host is not None and loop.w is not None:
+        out = fact.solve_scaled(lam, loop.w)
+        v = None if out is None else out[0]
     else:
         v = _solve(fact, lam, -system.grad, loop.w, x.dtype, check=config.geodesic)
         loop.cg_iterations += fact.iterations

@@ -238,6 +238,10 @@ class Factorization:
         """``(δ, ‖D^½δ‖)`` for ``b = Jᵀw``, or ``None`` if it failed (only when :attr:`on_host`)."""
         raise NotImplementedError
 
+    def scaled_norm(self, damping: float, w: Tensor) -> float | None:
+        """``‖D^½δ‖`` of :meth:`solve_scaled`'s step alone (only when :attr:`on_host`)."""
+        raise NotImplementedError
+
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         """Return ``(JᵀJ + λD)⁻¹ b`` with ``b = Jᵀw``, or ``None`` if it failed.
 
@@ -501,24 +505,35 @@ class _HostSVD(Factorization):
             self._w = w
         return self._c
 
-    def _step(self, damping: float, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _z(self, damping: float, c: np.ndarray) -> np.ndarray:
+        """``z = D^½δ`` in the basis of V: ``s/(s² + λ) ∘ Uᵀw``."""
         if damping > 0.0 or self.s2[-1] > 0.0:
-            z = self.s / (self.s2 + damping) * c
+            return self.s / (self.s2 + damping) * c
+        # λ = 0 with a zero singular value: it contributes nothing (pseudo-inverse).
+        denom = self.s2 + damping
+        return np.divide(self.s, denom, out=np.zeros_like(self.s), where=denom > 0) * c
+
+    def scaled_norm(self, damping: float, w: Tensor) -> float | None:
+        """``‖D^½δ(λ)‖`` alone (a trust region's search), or ``None`` if not finite."""
+        c = self._coefficients(w)
+        if not self.s.size:
+            return 0.0
+        if self._safe:
+            z = self._z(damping, c)
+            norm = math.sqrt(float(z @ z))
         else:
-            # λ = 0 with a zero singular value: it contributes nothing (pseudo-inverse).
-            denom = self.s2 + damping
-            z = np.divide(self.s, denom, out=np.zeros_like(self.s), where=denom > 0) * c
-        return z, self.inv_sqrt_d * (self.vt.T @ z)
+            with np.errstate(all="ignore"):
+                z = self._z(damping, c)
+                norm = math.sqrt(float(z @ z))
+        return norm if math.isfinite(norm) else None
 
     def solve_scaled(self, damping: float, w: Tensor) -> tuple[Tensor, float] | None:
         c = self._coefficients(w)
         if not self.s.size:  # no parameters (or no residuals): the step is empty
             return torch.zeros(self.inv_sqrt_d.size, dtype=torch.float64), 0.0
-        if self._safe:
-            z, delta = self._step(damping, c)
-        else:
-            with np.errstate(all="ignore"):  # an overflow is a failed solve, as on the device
-                z, delta = self._step(damping, c)
+        with np.errstate(all="ignore"):  # an overflow is a failed solve, as on the device
+            z = self._z(damping, c)
+            delta = self.inv_sqrt_d * (self.vt.T @ z)
         if not np.isfinite(delta).all():
             return None
         return torch.from_numpy(delta), math.sqrt(float(z @ z))

@@ -4,11 +4,12 @@ Both solvers run in this process on the 27 StRD problems from both starts (float
 ``ftol = xtol = gtol = 1e-15``, ``max_nfev = 20000``, ``method="lm"`` on both sides) in
 two settings:
 
-* **(a) exact Jacobian.**  Torch residuals; ours differentiates them with its default
-  ``jac="auto"``; scipy gets a ``jac`` callable that runs *the same* torch transform
-  (:func:`secondorder.fitting.functions.jacobian_function` with ``"auto"``) and returns
-  a NumPy array, so a Jacobian costs both sides the same and the difference is what
-  each does around it.  Scipy's time inside that callable is printed too.
+* **(a) exact Jacobian.**  Torch residuals; ours differentiates them with ``jac``
+  (``--jac``, default ``"auto"``); scipy gets a ``jac`` callable that runs *the same*
+  torch transform (:func:`secondorder.fitting.functions.jacobian_function`) and
+  returns a NumPy array, so a Jacobian costs both sides the same and the difference is
+  what each does around it.  Scipy's time inside that callable is printed too.
+  ``--jac fwd`` is the setting issue 17 first measured (``jacfwd`` on both sides).
 * **(b) finite differences.**  NumPy residuals, no ``jac``: scipy's MINPACK (``lmdif``)
   differences in Fortran, ours with its ``"2-point"`` scheme.
 
@@ -20,7 +21,7 @@ parameters against the certified values (capped at 11); a start *passes* at LRE 
 Run with::
 
     PYTHONPATH=$PWD python -m benchmarks.nist_time [--quick] [--rounds 5] [--threads 1]
-        [--names Misra1a MGH10] [--table]
+        [--names Misra1a MGH10] [--table] [--jac auto|fwd|rev] [--settings exact fd]
 """
 
 from __future__ import annotations
@@ -69,12 +70,10 @@ class Timing:
     jac_seconds: list[float] = field(default_factory=list)
 
 
-def _torch_jacobian(p: NistProblem) -> Callable[[np.ndarray], np.ndarray]:
-    """Scipy's ``jac``: secondorder's own ``jac="auto"`` transform of the torch residuals."""
+def _torch_jacobian(p: NistProblem, jac: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Scipy's ``jac``: secondorder's own ``jac`` transform of the torch residuals."""
     fun = p.torch_residuals()
-    transform = jacobian_function(
-        "auto", fun, numpy_fun=False, shape=(p.m, p.n), args=(), kwargs={}
-    )
+    transform = jacobian_function(jac, fun, numpy_fun=False, shape=(p.m, p.n), args=(), kwargs={})
 
     def jac(b: np.ndarray) -> np.ndarray:
         return transform(torch.from_numpy(np.array(b, dtype=np.float64))).numpy()
@@ -83,9 +82,13 @@ def _torch_jacobian(p: NistProblem) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def run_once(
-    p: NistProblem, start: int, setting: str, side: str
+    p: NistProblem, start: int, setting: str, side: str, jac: str = "auto"
 ) -> tuple[float, float, int, float]:
-    """One timed fit: ``(seconds, lre, nfev, seconds inside scipy's jac)``."""
+    """One timed fit: ``(seconds, lre, nfev, seconds inside scipy's jac)``.
+
+    ``jac``: the torch transform both sides use in setting (a): ``"auto"``, ``"fwd"``
+    or ``"rev"``.
+    """
     x0 = p.starts[start - 1]
     tight = {"ftol": TOL, "xtol": TOL, "gtol": TOL, "max_nfev": MAX_NFEV, "method": "lm"}
     jac_time = [0.0]
@@ -93,6 +96,7 @@ def run_once(
         if setting == "exact":
             fun: Any = p.torch_residuals()
             start_point: Any = torch.tensor(x0, dtype=torch.float64)
+            tight["jac"] = jac
         else:
             fun, start_point = p.numpy_residuals(), np.array(x0, dtype=np.float64)
         with np.errstate(all="ignore"):  # a NumPy fun overflowing at a rejected trial point
@@ -103,7 +107,7 @@ def run_once(
     else:
         options: dict[str, Any] = {}
         if setting == "exact":
-            inner = _torch_jacobian(p)
+            inner = _torch_jacobian(p, jac)
 
             def timed(b: np.ndarray) -> np.ndarray:
                 t = time.perf_counter()
@@ -149,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
     parser.add_argument("--names", nargs="*", default=None)
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--table", action="store_true", help="print every start's figures")
+    parser.add_argument(
+        "--jac", default="auto", choices=("auto", "fwd", "rev"), help="(a)'s transform, both sides"
+    )
     args = parser.parse_args(argv)
     names = args.names or (list(QUICK) if args.quick else list(NAMES))
     rounds = args.rounds or (3 if args.quick else 5)
@@ -162,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
         f"torch.set_num_threads({args.threads}), scipy {scipy.__version__}, numpy "
         f"{np.__version__}, Python {platform.python_version()}"
     )
-    print(f"load average at start: {_load()}; {len(starts)} starts x {rounds} rounds")
+    print(
+        f"load average at start: {_load()}; {len(starts)} starts x {rounds} rounds; "
+        f"(a) with jac={args.jac!r} on both sides"
+    )
     timings = {
         (setting, side): {key: Timing() for key in starts}
         for setting in args.settings
@@ -171,13 +181,13 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
     # Warm-up: the first torch.func transform and scipy call in a process cost seconds.
     for setting in args.settings:
         for side in SIDES:
-            run_once(PROBLEMS[starts[0][0]], starts[0][1], setting, side)
+            run_once(PROBLEMS[starts[0][0]], starts[0][1], setting, side, args.jac)
     for r in range(rounds):
         for i, (name, s) in enumerate(starts):
             for setting in args.settings:
                 order = SIDES if (r + i) % 2 == 0 else SIDES[::-1]
                 for side in order:
-                    sec, digits, nfev, jac_s = run_once(PROBLEMS[name], s, setting, side)
+                    sec, digits, nfev, jac_s = run_once(PROBLEMS[name], s, setting, side, args.jac)
                     t = timings[setting, side][name, s]
                     t.seconds.append(sec)
                     t.jac_seconds.append(jac_s)

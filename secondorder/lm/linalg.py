@@ -457,39 +457,51 @@ class _QR(Factorization):
 
 
 class _HostSVD(Factorization):
-    """A few parameters on the host: one SVD of ``J D^-½``, then each λ in O(mn).
+    """A few parameters on the host: ``J = Q0 R0`` and an SVD of ``R0 D^-½`` once.
 
-    With ``J D^-½ = U S Vᵀ`` the damped least-squares step and its scaled length are
+    The trust region's search for λ needs only the scaled length of the step, and with
+    ``R0 D^-½ = U S Vᵀ`` that is, for every λ, three vector operations:
 
-        δ(λ) = D^-½ V diag(s / (s² + λ)) Uᵀw,     ‖D^½δ(λ)‖ = ‖s / (s² + λ) ∘ Uᵀw‖,
+        ‖D^½δ(λ)‖ = ‖s / (s² + λ) ∘ Uᵀ Q0ᵀw‖.
 
-    the same minimiser the per-λ QR of ``[J; √λ·D^½]`` finds (an SVD, like that QR,
-    works on J and squares no condition number).  At λ = 0 a zero singular value
-    contributes nothing: the minimum-norm Gauss-Newton step, the limit λ → 0.  For
-    n ≤ :data:`HOST_MAX_N` float64 columns on the CPU, torch's per-call overhead
-    (tens of µs a call, a host read per check) is the whole cost of a solve; here
-    J crosses to NumPy once per iteration and a trust region's search for λ costs a
-    few NumPy vector operations per λ.
+    The step itself, once per attempt at the λ chosen, is MINPACK's: a QR of the
+    stacked ``[R0; √λ·D^½]`` (a triangular solve with R0 at λ = 0).  Householder QR
+    is backward stable column by column, whatever the columns' scales; a step formed
+    from the SVD (``D^-½ V diag(s/(s² + λ)) Uᵀ Q0ᵀw``) would carry an error relative
+    to the largest scaled column, and on Bennett5 with finite differences that cost
+    a digit.  Where R0 is singular (or m < n) at λ = 0 the step is the SVD's
+    minimum-norm one, the limit λ → 0.  For n ≤ :data:`HOST_MAX_N` float64 columns on
+    the CPU, torch's per-call overhead (a few µs a call, a host read per check) was
+    the whole cost of a solve; here J crosses to NumPy once per iteration.
     """
 
     on_host = True
 
     def __init__(self, jac: Tensor, d: Tensor) -> None:
         with np.errstate(all="ignore"):
-            self.inv_sqrt_d = 1.0 / np.sqrt(d.numpy())
-            a = jac.numpy() * self.inv_sqrt_d
-            if not np.isfinite(a).all():
-                # LAPACK's SVD may not return on NaN or inf; a finite J with a huge D^-½
-                # overflows here: a failed factorisation, and λ rises.
+            self.sqrt_d = np.sqrt(d.numpy())
+            self.inv_sqrt_d = 1.0 / self.sqrt_d
+            j = jac.numpy()
+            if not (np.isfinite(j).all() and np.isfinite(self.inv_sqrt_d).all()):
+                # LAPACK may not return on NaN or inf: a failed factorisation, λ rises.
                 raise torch.linalg.LinAlgError("J D^-1/2 is not finite")
             try:
+                if j.shape[0] > j.shape[1]:
+                    self.q0: np.ndarray | None
+                    self.q0, self.r0 = np.linalg.qr(j)
+                else:
+                    self.q0, self.r0 = None, j
+                a = self.r0 * self.inv_sqrt_d
+                if not np.isfinite(a).all():
+                    raise torch.linalg.LinAlgError("R0 D^-1/2 is not finite")
                 self.u, self.s, self.vt = np.linalg.svd(a, full_matrices=False)
             except np.linalg.LinAlgError as exc:
                 # Not converged: the engine raises λ on torch's error, as after a failed QR.
-                raise torch.linalg.LinAlgError(f"SVD of J D^-1/2: {exc}") from exc
+                raise torch.linalg.LinAlgError(f"factorisation of J D^-1/2: {exc}") from exc
             self.s2 = self.s * self.s
         self._w: Tensor | None = None
         self._c = np.zeros(0)
+        self._qw = np.zeros(0)
         self._safe = False
 
     def _coefficients(self, w: Tensor) -> np.ndarray:
@@ -498,7 +510,8 @@ class _HostSVD(Factorization):
         # per-λ solves skip NumPy's error-state guard when it cannot.
         if w is not self._w:
             with np.errstate(all="ignore"):
-                self._c = self.u.T @ w.numpy()
+                self._qw = w.numpy() if self.q0 is None else self.q0.T @ w.numpy()
+                self._c = self.u.T @ self._qw
                 smallest = float(self.s[-1]) if self.s.size else 0.0
                 bound = float(np.abs(self._c).sum()) / smallest if smallest > 1e-150 else math.inf
                 self._safe = bool(bound * float(self.inv_sqrt_d.max(initial=0.0)) < 1e140)
@@ -532,11 +545,29 @@ class _HostSVD(Factorization):
         if not self.s.size:  # no parameters (or no residuals): the step is empty
             return torch.zeros(self.inv_sqrt_d.size, dtype=torch.float64), 0.0
         with np.errstate(all="ignore"):  # an overflow is a failed solve, as on the device
-            z = self._z(damping, c)
-            delta = self.inv_sqrt_d * (self.vt.T @ z)
+            delta = self._qr_step(damping)
+            if delta is None:
+                delta = self.inv_sqrt_d * (self.vt.T @ self._z(damping, c))
+            scaled = self.sqrt_d * delta
         if not np.isfinite(delta).all():
             return None
-        return torch.from_numpy(delta), math.sqrt(float(z @ z))
+        return torch.from_numpy(delta), math.sqrt(float(scaled @ scaled))
+
+    def _qr_step(self, damping: float) -> np.ndarray | None:
+        """MINPACK's step: least squares on ``[R0; √λ·D^½]``; ``None`` where R is singular."""
+        r0, n = self.r0, self.r0.shape[1]
+        if damping == 0.0:
+            if r0.shape[0] < n:
+                return None  # fewer rows than columns: the SVD's minimum-norm step
+            r, rhs = r0, self._qw
+        else:
+            q, r = np.linalg.qr(np.vstack([r0, np.diag(math.sqrt(damping) * self.sqrt_d)]))
+            rhs = q[: r0.shape[0]].T @ self._qw
+        if not (np.isfinite(r).all() and (np.diagonal(r) != 0).all()):
+            return None
+        # R is upper triangular: LU's partial pivoting keeps its rows, so this is back
+        # substitution (NumPy has no triangular solver of its own).
+        return np.asarray(np.linalg.solve(r, rhs))
 
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         out = self.solve_scaled(damping, _require_w(w, "qr"))

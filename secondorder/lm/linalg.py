@@ -459,20 +459,20 @@ class _QR(Factorization):
 class _HostSVD(Factorization):
     """A few parameters on the host: ``J = Q0 R0`` and an SVD of ``R0 D^-½`` once.
 
-    The trust region's search for λ needs only the scaled length of the step, and with
-    ``R0 D^-½ = U S Vᵀ`` that is, for every λ, three vector operations:
+    With ``R0 D^-½ = U S Vᵀ`` the damped step and its scaled length are, for every λ,
 
-        ‖D^½δ(λ)‖ = ‖s / (s² + λ) ∘ Uᵀ Q0ᵀw‖.
+        δ(λ) = D^-½ V diag(s / (s² + λ)) UᵀQ0ᵀw,     ‖D^½δ(λ)‖ = ‖s / (s² + λ) ∘ UᵀQ0ᵀw‖,
 
-    The step itself, once per attempt at the λ chosen, is MINPACK's: a QR of the
-    stacked ``[R0; √λ·D^½]`` (a triangular solve with R0 at λ = 0).  Householder QR
-    is backward stable column by column, whatever the columns' scales; a step formed
-    from the SVD (``D^-½ V diag(s/(s² + λ)) Uᵀ Q0ᵀw``) would carry an error relative
-    to the largest scaled column, and on Bennett5 with finite differences that cost
-    a digit.  Where R0 is singular (or m < n) at λ = 0 the step is the SVD's
-    minimum-norm one, the limit λ → 0.  For n ≤ :data:`HOST_MAX_N` float64 columns on
-    the CPU, torch's per-call overhead (a few µs a call, a host read per check) was
-    the whole cost of a solve; here J crosses to NumPy once per iteration.
+    the minimiser the per-λ QR of ``[R0; √λ·D^½]`` finds, so a trust region's search
+    for λ costs three vector operations per λ.  The Gauss-Newton step (λ = 0, the
+    steps that end a fit) is instead ``R0⁻¹Q0ᵀw`` by back substitution, as MINPACK and
+    the device solver take it: Householder QR is backward stable column by column
+    whatever the columns' scales, where the SVD's error is relative to the largest
+    scaled column (with finite differences that cost NIST's Bennett5 a digit).  Where
+    R0 is singular (or m < n) the λ = 0 step is the SVD's minimum-norm one, the limit
+    λ → 0.  For n ≤ :data:`HOST_MAX_N` float64 columns on the CPU, torch's per-call
+    overhead (a few µs a call, a host read per check) was the whole cost of a solve;
+    here J crosses to NumPy once per iteration.
     """
 
     on_host = True
@@ -486,7 +486,7 @@ class _HostSVD(Factorization):
                 # LAPACK may not return on NaN or inf: a failed factorisation, λ rises.
                 raise torch.linalg.LinAlgError("J D^-1/2 is not finite")
             try:
-                if j.shape[0] > j.shape[1]:
+                if j.shape[0] >= j.shape[1]:
                     self.q0: np.ndarray | None
                     self.q0, self.r0 = np.linalg.qr(j)
                 else:
@@ -545,7 +545,7 @@ class _HostSVD(Factorization):
         if not self.s.size:  # no parameters (or no residuals): the step is empty
             return torch.zeros(self.inv_sqrt_d.size, dtype=torch.float64), 0.0
         with np.errstate(all="ignore"):  # an overflow is a failed solve, as on the device
-            delta = self._qr_step(damping)
+            delta = self._gauss_newton() if damping == 0.0 else None
             if delta is None:
                 delta = self.inv_sqrt_d * (self.vt.T @ self._z(damping, c))
             scaled = self.sqrt_d * delta
@@ -553,25 +553,14 @@ class _HostSVD(Factorization):
             return None
         return torch.from_numpy(delta), math.sqrt(float(scaled @ scaled))
 
-    def _qr_step(self, damping: float) -> np.ndarray | None:
-        """MINPACK's step: least squares on ``[R0; √λ·D^½]``; ``None`` where R is singular."""
-        r0, n = self.r0, self.r0.shape[1]
-        if damping == 0.0:
-            if r0.shape[0] < n:
-                return None  # fewer rows than columns: the SVD's minimum-norm step
-            r, rhs = r0, self._qw
-        else:
-            q, r = np.linalg.qr(np.vstack([r0, np.diag(math.sqrt(damping) * self.sqrt_d)]))
-            rhs = q[: r0.shape[0]].T @ self._qw
-        if not (np.isfinite(r).all() and (np.diagonal(r) != 0).all()):
+    def _gauss_newton(self) -> np.ndarray | None:
+        """λ = 0: ``R0 δ = Q0ᵀw`` by back substitution; ``None`` if R0 is singular or m < n."""
+        r0 = self.r0
+        if r0.shape[0] < r0.shape[1] or not (np.diagonal(r0) != 0).all():
             return None
-        # R is upper triangular: LU's partial pivoting keeps its rows, so this is back
+        # R0 is upper triangular: LU's partial pivoting keeps its rows, so this is back
         # substitution (NumPy has no triangular solver of its own).
-        return np.asarray(np.linalg.solve(r, rhs))
-
-    def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
-        out = self.solve_scaled(damping, _require_w(w, "qr"))
-        return None if out is None else out[0]
+        return np.asarray(np.linalg.solve(r0, self._qw))
 
 
 #: Columns up to which :class:`QRSolver` (with ``host=True``) solves on the host.

@@ -562,6 +562,10 @@ class _HostSVD(Factorization):
         # substitution (NumPy has no triangular solver of its own).
         return np.asarray(np.linalg.solve(r0, self._qw))
 
+    def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
+        out = self.solve_scaled(damping, _require_w(w, "qr"))
+        return None if out is None else out[0]
+
 
 #: Columns up to which :class:`QRSolver` (with ``host=True``) solves on the host.
 HOST_MAX_N = 16

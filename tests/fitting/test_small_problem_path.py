@@ -51,6 +51,9 @@ def test_host_steps_equal_the_torch_qr_steps(m: int, n: int, scales: str) -> Non
         out = host.solve_scaled(lam, -r)
         assert out is not None
         step, norm = out
+        # solve() (geodesic acceleration's second solve) gives the same step.
+        same = host.solve(lam, -system.grad, -r)
+        assert same is not None and torch.equal(same, step)
         torch.testing.assert_close(step, ref, rtol=1e-9, atol=1e-12 * float(ref.abs().max()))
         expected = float(torch.linalg.vector_norm(d.sqrt() * ref))
         assert norm == pytest.approx(expected, rel=1e-9)

@@ -117,8 +117,9 @@ def least_squares(
             with a tensor ``x0``), the other kind is used throughout, and the result
             still has ``x0``'s kind.
         x0: starting point: a scalar or 1-D, finite (tensor, array or sequence).
-        jac: ``"auto"`` (forward mode when residuals outnumber parameters, else
-            reverse; finite differences for a NumPy ``fun``), ``"fwd"``, ``"rev"``,
+        jac: ``"auto"`` (reverse mode for up to 16 parameters and 256 residuals or
+            fewer residuals than parameters, else forward mode; finite differences for a
+            NumPy ``fun``), ``"fwd"``, ``"rev"``,
             ``"2-point"``, ``"3-point"``, ``"cs"`` (complex step: ``fun`` must accept
             complex input), or a callable ``jac(x, *args, **kwargs) -> (m, n)``; a
             scipy.sparse result is made dense, a ``LinearOperator`` is refused.
@@ -231,10 +232,10 @@ def least_squares(
     else:
         # scipy's "lm" default: finite-difference columns count as evaluations too.
         budget = 100 * n * (n + 1) if problem.differences else 100 * n
-    initial_cost = 0.5 * float(problem.cost2(problem.residuals(y_start)))
     run = _solve(problem, y_start, opts, budget=budget, callback=callback, numpy_in=numpy_in)
     res = _result(problem, run, opts, numpy_in=numpy_in)
     if verbose >= 1:
+        initial_cost = run.history[0]
         print(res.message)
         print(
             f"Function evaluations {res.nfev}, initial cost {initial_cost:.4e}, "
@@ -660,6 +661,8 @@ def _make_solver(opts: _Options) -> Any:
         opts.linear_solver,
         cg_rtol=min(tols) if tols else 1e-6,
         cg_max_iter=options.get("maxiter"),
+        # A few parameters: QR's solves on the host (NumPy), not as torch calls.
+        host=True,
     )
 
 
@@ -720,7 +723,8 @@ def _solve(
     status, reason = 0, ""
     history = [0.5 * float(system.loss_sum)]
     printer = _Printer(opts.verbose == 2 and opts.method != "lm")
-    printer.row(0, problem.nfev, history[0], None, None, _optimality(problem, y, opts))
+    if printer.on:
+        printer.row(0, problem.nfev, history[0], None, None, _optimality(problem, y, opts))
     call = _wrap_callback(callback)
     nit = 0
     while True:
@@ -757,15 +761,16 @@ def _solve(
         if out.attempts == 0:
             break  # gtol held at the current point: no iteration was run
         nit += 1
-        x_step = problem.bounds.to_x(y) - problem.bounds.to_x(y_before)
-        printer.row(
-            nit,
-            problem.nfev,
-            history[-1],
-            0.5 * (out.loss_sum_before - out.loss_sum) if out.accepted else 0.0,
-            float(torch.linalg.vector_norm(x_step)),
-            _optimality(problem, y, opts) if status != -1 else math.nan,
-        )
+        if printer.on:
+            x_step = problem.bounds.to_x(y) - problem.bounds.to_x(y_before)
+            printer.row(
+                nit,
+                problem.nfev,
+                history[-1],
+                0.5 * (out.loss_sum_before - out.loss_sum) if out.accepted else 0.0,
+                float(torch.linalg.vector_norm(x_step)),
+                _optimality(problem, y, opts) if status != -1 else math.nan,
+            )
         if call is not None and _stopped_by(call, problem, y, history[-1], nit, numpy_in):
             status, reason = -2, "callback raised StopIteration"
             break

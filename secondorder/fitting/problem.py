@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,7 +32,13 @@ __all__ = ["FunctionProblem", "is_finite_system"]
 def is_finite_system(system: NormalEquations) -> bool:
     """Whether the linearisation holds finite numbers only (J, Jᵀr, column norms)."""
     parts = [system.grad, system.col_sq] + ([system.jac] if system.jac is not None else [])
-    return all(bool(torch.isfinite(t).all()) for t in parts)
+    if all(t.device.type == "cpu" and t.dtype == torch.float64 for t in parts):
+        # Host tensors (every fit of a few parameters): NumPy reads them in place.
+        return all(bool(np.isfinite(t.numpy()).all()) for t in parts)
+    finite = torch.isfinite(parts[0]).all()
+    for t in parts[1:]:
+        finite = finite & torch.isfinite(t).all()
+    return bool(finite)  # one host read
 
 
 class FunctionProblem:
@@ -81,6 +88,9 @@ class FunctionProblem:
         #: whether the Jacobian comes from finite differences (set by the builder).
         self.differences = False
         self.last: tuple[Tensor, Tensor] | None = None
+        #: The tensor last evaluated and its version counter: the same object, not
+        #: modified in place since, needs no comparison of values.
+        self._last_seen: tuple[Tensor, int] | None = None
         self.base: tuple[Tensor, Tensor, Tensor] | None = None
         self.row_scale: Tensor | None = None
         self.extra_rows = 0
@@ -97,22 +107,38 @@ class FunctionProblem:
     def remember(self, y: Tensor, f: Tensor) -> None:
         """Record ``f = f(x(y))`` computed elsewhere (the first call of ``fun``)."""
         self.last = (y.clone(), f.detach())
+        self._last_seen = None
 
     def residuals(self, y: Tensor) -> Tensor:
         """``f(x(y))``, flat float64, detached; the last point and the base are free."""
-        if self.last is not None and torch.equal(self.last[0], y):
-            return self.last[1]
+        if self.last is not None:
+            seen = self._last_seen
+            if seen is not None and seen[0] is y and seen[1] == y._version:
+                return self.last[1]
+            if torch.equal(self.last[0], y):
+                return self.last[1]
         if self.base is not None and torch.equal(self.base[0], y):
             return self.base[1]
         # Values only: a fun closing over tensors that require grad must not drag a
         # graph along (autograd is used inside the Jacobian transforms alone).
         f = self.fun(self.bounds.to_x(y)).detach()
         self.last = (y.clone(), f)
+        self._last_seen = (y, y._version)
         return f
 
-    def loss_sum(self, y: Tensor) -> Tensor:
+    def loss_sum(self, y: Tensor) -> Tensor | float:
         """``2·cost`` at ``y``, or ``inf`` where a residual is not finite (a rejected step)."""
         f = self.residuals(y)
+        if self.loss == "linear" and f.device.type == "cpu" and f.dtype == torch.float64:
+            # The common fit: ‖f‖² read in NumPy, no torch call or separate host read.
+            a = f.numpy()
+            top = float(np.abs(a).max()) if a.size else 0.0
+            if not math.isfinite(top):
+                return math.inf
+            if top * top * a.size < 1e300:
+                return float(a @ a)
+            with np.errstate(over="ignore"):  # as on the device: an overflow is inf
+                return float(a @ a)
         return self.cost2(f) if bool(torch.isfinite(f).all()) else torch.tensor(math.inf)
 
     def linearize(self, y: Tensor, f: Tensor) -> NormalEquations:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -384,6 +385,8 @@ class DampingMatrix:
     def _floored(self, d: Tensor, state: DampingState, damping_min: float) -> Tensor:
         # Computed on the device (no host read): floors in float64, as Python would,
         # then rounded to d's dtype; D = I when no column is usable.
+        if _small_host(d):
+            return torch.from_numpy(self._floored_host(d.numpy(), state, damping_min))
         if state.damping <= damping_min:
             # Floor only the columns that carry no scale of their own.
             if d.numel() == 0:
@@ -398,6 +401,31 @@ class DampingMatrix:
         floor = torch.clamp(top * self.floor, min=tiny).to(d.dtype)
         usable = torch.isfinite(top) & (top > 0.0)
         return torch.where(usable, torch.maximum(d, floor), torch.ones_like(d))
+
+    def _floored_host(self, d: np.ndarray, state: DampingState, damping_min: float) -> np.ndarray:
+        """:meth:`_floored` for a few float64 columns on the CPU, in NumPy.
+
+        The same exact operations (maxima, one product, comparisons): the same D,
+        without torch calls.
+        """
+        if state.damping <= damping_min:
+            if d.size == 0:
+                return np.ones_like(d)
+            tiny = float(np.finfo(np.float64).tiny)
+            usable = np.isfinite(d) & (d >= tiny)
+            largest = float(np.where(usable, d, 0.0).max())
+            fill = max(largest * self.floor, tiny)
+            return np.where(usable, d, fill) if largest > 0.0 else np.ones_like(d)
+        top = float(d.max())
+        floor = max(top * self.floor, float(np.finfo(np.float64).tiny) ** 0.5)
+        if not (math.isfinite(top) and top > 0.0):
+            return np.ones_like(d)
+        return np.maximum(d, floor)
+
+
+def _small_host(t: Tensor) -> bool:
+    """A few float64 entries on the CPU: NumPy does their arithmetic without dispatch."""
+    return t.device.type == "cpu" and t.dtype == torch.float64 and t.numel() <= 16
 
 
 class IdentityMatrix(DampingMatrix):
@@ -441,6 +469,8 @@ class MoreMatrix(DampingMatrix):
     ) -> Tensor:
         if state.scale is None or state.scale.shape != col_sq.shape:
             state.scale = col_sq.clone()
+        elif _small_host(col_sq) and _small_host(state.scale):
+            state.scale = torch.from_numpy(np.maximum(state.scale.numpy(), col_sq.numpy()))
         else:
             state.scale = torch.maximum(state.scale.to(col_sq), col_sq)
         return self._floored(state.scale, state, damping_min)

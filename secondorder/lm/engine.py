@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,8 +36,8 @@ __all__ = ["EngineConfig", "Outcome", "Problem", "iterate"]
 class Problem(Protocol):
     """What the engine needs from a least-squares problem at the current batch."""
 
-    def loss_sum(self, x: Tensor) -> Tensor:
-        """``Σ r²`` at ``x`` over every residual (reduced over all shares), 0-d."""
+    def loss_sum(self, x: Tensor) -> Tensor | float:
+        """``Σ r²`` at ``x`` over every residual (reduced over all shares), 0-d or a number."""
         ...
 
     def second_directional(
@@ -165,7 +166,8 @@ class _Loop:
     config: EngineConfig
     lr: float
     loss0: float
-    xnorm0: Tensor
+    #: ``‖x‖`` on the device (``None`` when the factorisation lives on the host).
+    xnorm0: Tensor | None
     #: ``-r`` for solvers that need the residuals (dual form, QR, CG), else ``None``.
     w: Tensor | None
     reason: str = "attempts exhausted without reducing the loss"
@@ -175,6 +177,8 @@ class _Loop:
     scaled_norms: tuple[float, float] | None = None
     #: The LM direction at the λ the rule chose, kept from its search.
     chosen: tuple[float, Tensor] | None = None
+    #: NumPy views of the iteration's vectors when the factorisation lives on the host.
+    host: _HostView | None = None
 
     def reject(self, step: StepRecord | None = None) -> None:
         """Raise λ after a failed attempt, restarting from ``damping_restart`` at zero."""
@@ -294,8 +298,9 @@ def iterate(
         config=config,
         lr=lr,
         loss0=loss0,
-        xnorm0=torch.linalg.vector_norm(x, dtype=torch.float64),
+        xnorm0=None if fact.on_host else torch.linalg.vector_norm(x, dtype=torch.float64),
         w=None if system.residuals is None else -system.residuals,
+        host=_HostView.of(x, system, d) if fact.on_host else None,
     )
     allowed = config.max_attempts if max_attempts is None else max_attempts
     attempt = 0
@@ -322,9 +327,27 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
     if direction is None:
         loop.reject()
         return None
-    delta = loop.lr * direction
-    x_try = loop.x + delta
+    if loop.host is not None:
+        d = direction.numpy() if loop.lr == 1.0 else loop.lr * direction.numpy()
+        x_try = torch.from_numpy(loop.host.x + d)
+        values = _measure_on_host(loop, loop.host, d)
+    else:
+        delta = loop.lr * direction
+        x_try = loop.x + delta
+        values = _measure(loop, delta, x_try)
+    solved, pred, step_norm, xnorm_try, xnorm = values[:5]
+    if not solved:
+        loop.reason = f"linear solve failed at damping {lam:.3g}"
+        loop.reject()
+        return None
+    measured = (values[5], values[6]) if loop.rule.chooses else None
+    return _judge(loop, attempt, lam, x_try, pred, step_norm, xnorm_try, xnorm, measured)
+
+
+def _measure(loop: _Loop, delta: Tensor, x_try: Tensor) -> list[float]:
+    """``[finite, predicted reduction, ‖δ‖, ‖x + δ‖, ‖x‖]`` (+ ``‖D^½δ‖, gᵀδ``), one read."""
     wide = torch.float64
+    assert loop.xnorm0 is not None
     read = [
         torch.isfinite(delta).all().to(wide),
         _predicted_reduction(loop.system, loop.system.grad, delta),
@@ -336,14 +359,73 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
         # What the trust region measures: ‖D^½δ‖ and the slope gᵀδ, in the same read.
         read.append(torch.linalg.vector_norm(loop.d.to(wide).sqrt() * delta.to(wide)))
         read.append(torch.dot(loop.system.grad.to(wide), delta.to(wide)))
-    values = torch.stack(read).tolist()
-    solved, pred, step_norm, xnorm_try, xnorm = values[:5]
-    if not solved:
-        loop.reason = f"linear solve failed at damping {lam:.3g}"
-        loop.reject()
-        return None
-    measured = (values[5], values[6]) if loop.rule.chooses else None
-    return _judge(loop, attempt, lam, x_try, pred, step_norm, xnorm_try, xnorm, measured)
+    return torch.stack(read).tolist()
+
+
+@dataclass(frozen=True)
+class _HostView:
+    """The iteration's vectors as NumPy views, for a factorisation that lives on the host.
+
+    ``big`` bounds every entry of ``x``, ``grad``, ``jac`` and ``sqrt_d`` (inf when one is
+    not finite): with ``max|δ| ≤ 1`` and ``big·(m + n)`` far below the overflow
+    threshold no product or sum of squares below can overflow, so the attempts skip
+    NumPy's error-state guard (a context switch costs more than the arithmetic here).
+    """
+
+    x: np.ndarray
+    grad: np.ndarray
+    jac: np.ndarray | None
+    sqrt_d: np.ndarray
+    big: float
+
+    @classmethod
+    def of(cls, x: Tensor, system: NormalEquations, d: Tensor) -> _HostView:
+        """Views of ``x``, ``Jᵀr``, J and ``D^½`` (CPU float64 tensors)."""
+        with np.errstate(all="ignore"):
+            parts = [x.numpy(), system.grad.numpy(), np.sqrt(d.numpy())]
+            jac = None if system.jac is None else system.jac.numpy()
+            big = max(
+                float(np.abs(t).max()) if t.size else 0.0 for t in [*parts, jac] if t is not None
+            )
+        return cls(parts[0], parts[1], jac, parts[2], big if math.isfinite(big) else math.inf)
+
+
+def _measure_on_host(loop: _Loop, view: _HostView, delta: np.ndarray) -> list[float]:
+    """:func:`_measure` in NumPy (a few columns on the host), without a torch call.
+
+    The same quantities in float64: the predicted reduction along ``δ/s`` with ``s``
+    the power of two below ``max|δ|``, as on the device.
+    """
+    top = float(np.abs(delta).max()) if delta.size else 0.0
+    if not math.isfinite(top):
+        return [0.0] * 7
+    rows = 0 if view.jac is None else view.jac.shape[0]
+    if view.big * max(top, 1.0) * (rows + delta.size + 1) < 1e140:
+        return _host_values(loop, view, delta, top)
+    with np.errstate(all="ignore"):  # overflow gives inf, as on the device
+        return _host_values(loop, view, delta, top)
+
+
+def _host_values(loop: _Loop, view: _HostView, d: np.ndarray, top: float) -> list[float]:
+    slope = float(view.grad @ d)
+    scale = math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0.0 else 1.0
+    if view.jac is not None:
+        jd = view.jac @ (d / scale)
+        curvature = float(jd @ jd)
+    else:
+        curvature = float(loop.system.curvature(torch.from_numpy(d / scale)))
+    xt = view.x + d
+    values = [
+        1.0,
+        -2.0 * slope - curvature * scale * scale,
+        math.sqrt(float(d @ d)),
+        math.sqrt(float(xt @ xt)),
+        math.sqrt(float(view.x @ view.x)),
+    ]
+    if loop.rule.chooses:
+        sd = view.sqrt_d * d
+        values += [math.sqrt(float(sd @ sd)), slope]
+    return values
 
 
 def _choose(loop: _Loop) -> float:
@@ -353,25 +435,41 @@ def _choose(loop: _Loop) -> float:
     no extra solve at the λ it settles on.
     """
     x, system, fact = loop.x, loop.system, loop.fact
-    wide = torch.float64
-    sqrt_d = loop.d.to(wide).sqrt()
-    if loop.scaled_norms is None:
-        xs, gs = torch.stack(
-            [
-                torch.linalg.vector_norm(sqrt_d * x.to(wide)),
-                torch.linalg.vector_norm(system.grad.to(wide) / sqrt_d),
-            ]
-        ).tolist()
-        loop.scaled_norms = (xs, gs)
     solved: dict[float, Tensor] = {}
+    if fact.on_host:
+        # A few parameters: the norms in NumPy, each λ a few vector operations.
+        if loop.scaled_norms is None:
+            view = loop.host
+            assert view is not None
+            with np.errstate(all="ignore"):
+                xs, gs = view.sqrt_d * view.x, view.grad / view.sqrt_d
+                loop.scaled_norms = (math.sqrt(float(xs @ xs)), math.sqrt(float(gs @ gs)))
+        w = loop.w
+        assert w is not None
 
-    def scaled_norm(lam: float) -> float | None:
-        v = _solve(fact, lam, -system.grad, loop.w, x.dtype)
-        loop.cg_iterations += fact.iterations
-        if v is None:
-            return None
-        solved[lam] = v
-        return float(torch.linalg.vector_norm(sqrt_d * v.to(wide)))
+        def scaled_norm(lam: float) -> float | None:
+            # The norm alone: the step is formed once, at the λ chosen (_direction).
+            return fact.scaled_norm(lam, w)
+
+    else:
+        wide = torch.float64
+        sqrt_d = loop.d.to(wide).sqrt()
+        if loop.scaled_norms is None:
+            xs_norm, gs_norm = torch.stack(
+                [
+                    torch.linalg.vector_norm(sqrt_d * x.to(wide)),
+                    torch.linalg.vector_norm(system.grad.to(wide) / sqrt_d),
+                ]
+            ).tolist()
+            loop.scaled_norms = (xs_norm, gs_norm)
+
+        def scaled_norm(lam: float) -> float | None:
+            v = _solve(fact, lam, -system.grad, loop.w, x.dtype)
+            loop.cg_iterations += fact.iterations
+            if v is None:
+                return None
+            solved[lam] = v
+            return float(torch.linalg.vector_norm(sqrt_d * v.to(wide)))
 
     lam = loop.rule.choose(loop.state, scaled_norm, *loop.scaled_norms)
     loop.chosen = (lam, solved[lam]) if lam in solved else None
@@ -387,6 +485,9 @@ def _direction(loop: _Loop, lam: float) -> Tensor | None:
     x, system, fact, config = loop.x, loop.system, loop.fact, loop.config
     if loop.chosen is not None and loop.chosen[0] == lam:
         v: Tensor | None = loop.chosen[1]
+    elif loop.host is not None and loop.w is not None:
+        out = fact.solve_scaled(lam, loop.w)
+        v = None if out is None else out[0]
     else:
         v = _solve(fact, lam, -system.grad, loop.w, x.dtype, check=config.geodesic)
         loop.cg_iterations += fact.iterations

@@ -33,6 +33,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,6 +41,7 @@ from .kfac_cg import KroneckerStats
 from .precision import DualFloorCheck
 
 __all__ = [
+    "HOST_MAX_N",
     "SOLVERS",
     "CholeskySolver",
     "EighSolver",
@@ -112,6 +114,8 @@ class NormalEquations:
         r or J is zero).  Computed once and kept: the optimizer reads these numbers
         before its first attempt, and a GPU stalls at every read.
         """
+        if self._host is None and self._small_on_host():
+            self._host = self._scalars_in_numpy()
         if self._host is None:
             # J itself is not scanned: col_sq = Σ J² is finite exactly when every entry
             # of J is (or its squares overflow J's dtype, which no normal matrix in
@@ -135,6 +139,38 @@ class NormalEquations:
             if self.dual_scale is not None:
                 self._dual_scale_host = values[3]
         return self._host
+
+    def _small_on_host(self) -> bool:
+        parts = [self.loss_sum, self.grad, self.col_sq, self.gram]
+        return (
+            self.dual_scale is None
+            and self.grad.numel() <= HOST_MAX_N
+            and all(
+                t.device.type == "cpu" and t.dtype == torch.float64 for t in parts if t is not None
+            )
+        )
+
+    def _scalars_in_numpy(self) -> tuple[bool, float, float]:
+        """:meth:`scalars` for a few float64 parameters on the CPU, in NumPy.
+
+        The same operations without a torch call; the cosine may differ from torch's
+        in its last bit (it is only compared with gtol).
+        """
+        with np.errstate(all="ignore"):
+            loss = float(self.loss_sum)
+            grad, col_sq = self.grad.numpy(), self.col_sq.numpy()
+            finite = math.isfinite(loss) and bool(
+                np.isfinite(grad).all() & np.isfinite(col_sq).all()
+            )
+            if finite and self.gram is not None:
+                finite = bool(np.isfinite(self.gram.numpy()).all())
+            rnorm = math.sqrt(max(loss, 0.0)) if not math.isnan(loss) else math.nan
+            colnorm = np.sqrt(col_sq)
+            ratio = np.abs(grad) / (colnorm * rnorm)
+            cos = float(np.where(colnorm > 0, ratio, 0.0).max(initial=-math.inf))
+        if not rnorm > 0:  # r = 0 (or not a number): no angle
+            cos = 0.0
+        return finite, loss, cos
 
     def dual_scale_value(self) -> float | None:
         """``dual_scale`` as a number (read in :meth:`scalars`'s one synchronisation)."""
@@ -195,6 +231,17 @@ class Factorization:
 
     #: Conjugate-gradient iterations spent by the last :meth:`solve` (0 for direct solvers).
     iterations: int = 0
+    #: Whether :meth:`solve_scaled` gives ``(δ, ‖D^½δ‖)`` without touching the device
+    #: (a few parameters: the factors live in NumPy arrays on the host).
+    on_host: bool = False
+
+    def solve_scaled(self, damping: float, w: Tensor) -> tuple[Tensor, float] | None:
+        """``(δ, ‖D^½δ‖)`` for ``b = Jᵀw``, or ``None`` if it failed (only when :attr:`on_host`)."""
+        raise NotImplementedError
+
+    def scaled_norm(self, damping: float, w: Tensor) -> float | None:
+        """``‖D^½δ‖`` of :meth:`solve_scaled`'s step alone (only when :attr:`on_host`)."""
+        raise NotImplementedError
 
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         """Return ``(JᵀJ + λD)⁻¹ b`` with ``b = Jᵀw``, or ``None`` if it failed.
@@ -423,19 +470,150 @@ class _QR(Factorization):
         return (q @ z) / self.sqrt_d
 
 
+class _HostSVD(Factorization):
+    """A few parameters on the host: ``J = Q0 R0`` and an SVD of ``R0 D^-½`` once.
+
+    With ``R0 D^-½ = U S Vᵀ`` the damped step and its scaled length are, for every λ,
+
+        δ(λ) = D^-½ V diag(s / (s² + λ)) UᵀQ0ᵀw,     ‖D^½δ(λ)‖ = ‖s / (s² + λ) ∘ UᵀQ0ᵀw‖,
+
+    the minimiser the per-λ QR of ``[R0; √λ·D^½]`` finds, so a trust region's search
+    for λ costs three vector operations per λ.  The Gauss-Newton step (λ = 0, the
+    steps that end a fit) is instead ``R0⁻¹Q0ᵀw`` by back substitution, as MINPACK and
+    the device solver take it: Householder QR is backward stable column by column
+    whatever the columns' scales, where the SVD's error is relative to the largest
+    scaled column (with finite differences that cost NIST's Bennett5 a digit).  Where
+    R0 is singular (or m < n) the λ = 0 step is the SVD's minimum-norm one, the limit
+    λ → 0.  For n ≤ :data:`HOST_MAX_N` float64 columns on the CPU, torch's per-call
+    overhead (a few µs a call, a host read per check) was the whole cost of a solve;
+    here J crosses to NumPy once per iteration.
+    """
+
+    on_host = True
+
+    def __init__(self, jac: Tensor, d: Tensor) -> None:
+        with np.errstate(all="ignore"):
+            self.sqrt_d = np.sqrt(d.numpy())
+            self.inv_sqrt_d = 1.0 / self.sqrt_d
+            j = jac.numpy()
+            if not (np.isfinite(j).all() and np.isfinite(self.inv_sqrt_d).all()):
+                # LAPACK may not return on NaN or inf: a failed factorisation, λ rises.
+                raise torch.linalg.LinAlgError("J D^-1/2 is not finite")
+            try:
+                if j.shape[0] >= j.shape[1]:
+                    self.q0: np.ndarray | None
+                    self.q0, self.r0 = np.linalg.qr(j)
+                else:
+                    self.q0, self.r0 = None, j
+                a = self.r0 * self.inv_sqrt_d
+                if not np.isfinite(a).all():
+                    raise torch.linalg.LinAlgError("R0 D^-1/2 is not finite")
+                self.u, self.s, self.vt = np.linalg.svd(a, full_matrices=False)
+            except np.linalg.LinAlgError as exc:
+                # Not converged: the engine raises λ on torch's error, as after a failed QR.
+                raise torch.linalg.LinAlgError(f"factorisation of J D^-1/2: {exc}") from exc
+            self.s2 = self.s * self.s
+        self._w: Tensor | None = None
+        self._c = np.zeros(0)
+        self._qw = np.zeros(0)
+        self._safe = False
+
+    def _coefficients(self, w: Tensor) -> np.ndarray:
+        # The LM direction and the λ search share w = -r: project it once, and decide
+        # once whether a step can overflow (‖z‖ ≤ ‖Uᵀw‖/s_min for every λ ≥ 0), so the
+        # per-λ solves skip NumPy's error-state guard when it cannot.
+        if w is not self._w:
+            with np.errstate(all="ignore"):
+                self._qw = w.numpy() if self.q0 is None else self.q0.T @ w.numpy()
+                self._c = self.u.T @ self._qw
+                smallest = float(self.s[-1]) if self.s.size else 0.0
+                bound = float(np.abs(self._c).sum()) / smallest if smallest > 1e-150 else math.inf
+                self._safe = bool(bound * float(self.inv_sqrt_d.max(initial=0.0)) < 1e140)
+            self._w = w
+        return self._c
+
+    def _z(self, damping: float, c: np.ndarray) -> np.ndarray:
+        """``z = D^½δ`` in the basis of V: ``s/(s² + λ) ∘ Uᵀw``."""
+        if damping > 0.0 or self.s2[-1] > 0.0:
+            return self.s / (self.s2 + damping) * c
+        # λ = 0 with a zero singular value: it contributes nothing (pseudo-inverse).
+        denom = self.s2 + damping
+        return np.divide(self.s, denom, out=np.zeros_like(self.s), where=denom > 0) * c
+
+    def scaled_norm(self, damping: float, w: Tensor) -> float | None:
+        """``‖D^½δ(λ)‖`` alone (a trust region's search), or ``None`` if not finite."""
+        c = self._coefficients(w)
+        if not self.s.size:
+            return 0.0
+        if self._safe:
+            z = self._z(damping, c)
+            norm = math.sqrt(float(z @ z))
+        else:
+            with np.errstate(all="ignore"):
+                z = self._z(damping, c)
+                norm = math.sqrt(float(z @ z))
+        return norm if math.isfinite(norm) else None
+
+    def solve_scaled(self, damping: float, w: Tensor) -> tuple[Tensor, float] | None:
+        c = self._coefficients(w)
+        if not self.s.size:  # no parameters (or no residuals): the step is empty
+            return torch.zeros(self.inv_sqrt_d.size, dtype=torch.float64), 0.0
+        with np.errstate(all="ignore"):  # an overflow is a failed solve, as on the device
+            delta = self._gauss_newton() if damping == 0.0 else None
+            if delta is None:
+                delta = self.inv_sqrt_d * (self.vt.T @ self._z(damping, c))
+            scaled = self.sqrt_d * delta
+        if not np.isfinite(delta).all():
+            return None
+        return torch.from_numpy(delta), math.sqrt(float(scaled @ scaled))
+
+    def _gauss_newton(self) -> np.ndarray | None:
+        """λ = 0: ``R0 δ = Q0ᵀw`` by back substitution; ``None`` if R0 is singular or m < n."""
+        r0 = self.r0
+        if r0.shape[0] < r0.shape[1] or not (np.diagonal(r0) != 0).all():
+            return None
+        # R0 is upper triangular: LU's partial pivoting keeps its rows, so this is back
+        # substitution (NumPy has no triangular solver of its own).
+        return np.asarray(np.linalg.solve(r0, self._qw))
+
+    def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
+        out = self.solve_scaled(damping, _require_w(w, "qr"))
+        return None if out is None else out[0]
+
+
+#: Columns up to which :class:`QRSolver` (with ``host=True``) solves on the host.
+HOST_MAX_N = 16
+
+
 class QRSolver(LinearSolver):
-    """QR of J itself (MINPACK's approach): squares no condition number."""
+    """QR of J itself (MINPACK's approach): squares no condition number.
+
+    ``host=True`` (the functional :func:`~secondorder.least_squares`): a float64 J on
+    the CPU with at most :data:`HOST_MAX_N` columns is factored on the host instead
+    (:class:`_HostSVD`), where a per-λ solve costs microseconds, not torch calls.
+    """
 
     name = "qr"
     needs_jacobian = True
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dtype: torch.dtype | None = None, host: bool = False) -> None:
         self.dtype = dtype
+        self.host = host
 
     def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
         if system.jac is None:
             raise RuntimeError("the qr solver needs the Jacobian")
-        return _QR(system.jac, d, self.dtype or system.jac.dtype)
+        dtype = self.dtype or system.jac.dtype
+        jac = system.jac
+        if (
+            self.host
+            and dtype == torch.float64 == jac.dtype == d.dtype
+            and jac.device.type == "cpu"
+            and jac.ndim == 2
+            and jac.shape[1] <= HOST_MAX_N
+        ):
+            return _HostSVD(jac, d)
+        return _QR(jac, d, dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -452,14 +630,18 @@ def make_solver(
     cg_max_iter: int | None = None,
     cg_forcing: float | None = None,
     cg_preconditioner: str = "jacobi",
+    host: bool = False,
 ) -> LinearSolver:
-    """Build the solver called ``name``; ``"auto"`` is resolved by the caller."""
+    """Build the solver called ``name``; ``"auto"`` is resolved by the caller.
+
+    ``host``: let ``"qr"`` factor a few float64 CPU columns in NumPy (:class:`QRSolver`).
+    """
     if name == "cholesky":
         return CholeskySolver(dtype)
     if name == "eigh":
         return EighSolver(dtype)
     if name == "qr":
-        return QRSolver(dtype)
+        return QRSolver(dtype, host=host)
     if name == "cg":
         # cg.py builds on this module's record and interfaces, so it is imported here.
         from .cg import CGSolver

@@ -46,7 +46,6 @@ Known failures (``xfail(strict=True)``, so a fix is noticed):
 =====================================  =================================================
 ``*::test_full_result``                ``fun_trivial`` takes 10 Jacobians (LM converges
                                        linearly where J = 0); scipy asserts < 10
-``*::test_rosenbrock_bounds``          optimality 1.06e-5 on one start, against 1e-5
 ``TestCurveFit::test_gh4555b``         pcov within 1.6e-6 of scipy's reference, against
                                        2e-7 (each stops at its own point, ftol 1e-8)
 =====================================  =================================================
@@ -147,9 +146,7 @@ class _Trust(_Common):
 
 class TestTRF(_Trust, tls.TestTRF):
     test_full_result = _xfail(tls.TestTRF.test_full_result, SLOW_LINEAR)
-    test_rosenbrock_bounds = _xfail(
-        tls.TestTRF.test_rosenbrock_bounds, "optimality 1.06e-5 on one start", pytest.mark.slow
-    )
+    test_rosenbrock_bounds = _slow(tls.TestTRF.test_rosenbrock_bounds)
     test_with_bounds = _slow(tls.TestTRF.test_with_bounds)
     test_robustness = _slow(tls.TestTRF.test_robustness)
     test_rosenbrock = _slow(tls.TestTRF.test_rosenbrock)
@@ -158,9 +155,6 @@ class TestTRF(_Trust, tls.TestTRF):
 @pytest.mark.slow
 class TestDogbox(_Trust, tls.TestDogbox):
     test_full_result = _xfail(tls.TestDogbox.test_full_result, SLOW_LINEAR)
-    test_rosenbrock_bounds = _xfail(
-        tls.TestDogbox.test_rosenbrock_bounds, "optimality 1.06e-5 on one start vs 1e-5"
-    )
 
 
 class TestLM(_Common, tls.TestLM):

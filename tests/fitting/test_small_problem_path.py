@@ -1,0 +1,158 @@
+"""The small-problem path of least_squares (issue 17): the same answers as the device path.
+
+* ``QRSolver(host=True)`` factors a few float64 CPU columns in NumPy; its steps equal
+  the torch QR solver's (the reference: MINPACK's least squares on ``[R0; √λD^½]``)
+  and its search norms equal ``‖D^½δ‖`` of those steps.
+* Finite differences of a NumPy ``fun`` computed in NumPy equal the torch path's J
+  bitwise (same operations, same order).
+* ``jac="auto"`` picks reverse mode for small problems and forward mode for many
+  residuals; either way J equals ``torch.func.jacfwd``'s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import secondorder as so
+from secondorder.fitting.functions import auto_mode, finite_difference, jacobian_function
+from secondorder.lm.linalg import HOST_MAX_N, NormalEquations, QRSolver
+
+F64 = torch.float64
+
+
+def _system(J: torch.Tensor, r: torch.Tensor) -> NormalEquations:
+    return NormalEquations(
+        loss_sum=r @ r, count=r.numel(), grad=J.T @ r, col_sq=(J * J).sum(0), jac=J, residuals=r
+    )
+
+
+@pytest.mark.parametrize(("m", "n"), [(14, 2), (40, 7), (250, 9), (3, 5), (6, 16)])
+@pytest.mark.parametrize("scales", ["unit", "spread"])
+def test_host_steps_equal_the_torch_qr_steps(m: int, n: int, scales: str) -> None:
+    g = torch.Generator().manual_seed(m * 100 + n)
+    J = torch.randn(m, n, generator=g, dtype=F64)
+    if scales == "spread":  # columns 1e-6 .. 1e6 apart, as on NIST's Bennett5 or MGH10
+        J = J * torch.logspace(-6, 6, n, dtype=F64)
+    r = torch.randn(m, generator=g, dtype=F64)
+    d = (J * J).sum(0) * torch.rand(n, generator=g, dtype=F64).add(0.5)
+    system = _system(J, r)
+    host = QRSolver(host=True).factor(system, d)
+    device = QRSolver().factor(system, d)
+    assert host.on_host and not device.on_host
+    for lam in (0.0, 1e-8, 1e-3, 1.0, 1e3):
+        if lam == 0.0 and m < n:
+            continue  # the device solver's minimum-norm step: checked below
+        ref = device.solve(lam, -system.grad, -r)
+        assert ref is not None
+        out = host.solve_scaled(lam, -r)
+        assert out is not None
+        step, norm = out
+        # solve() (geodesic acceleration's second solve) gives the same step.
+        same = host.solve(lam, -system.grad, -r)
+        assert same is not None and torch.equal(same, step)
+        torch.testing.assert_close(step, ref, rtol=1e-9, atol=1e-12 * float(ref.abs().max()))
+        expected = float(torch.linalg.vector_norm(d.sqrt() * ref))
+        assert norm == pytest.approx(expected, rel=1e-9)
+        # The search's norm (from the SVD of R0 D^-½) is the same length.
+        assert host.scaled_norm(lam, -r) == pytest.approx(expected, rel=1e-8)
+
+
+def test_host_step_at_zero_damping_with_fewer_rows_is_the_minimum_norm_solution() -> None:
+    g = torch.Generator().manual_seed(5)
+    J, r = torch.randn(3, 5, generator=g, dtype=F64), torch.randn(3, generator=g, dtype=F64)
+    d = torch.rand(5, generator=g, dtype=F64) + 0.5
+    host = QRSolver(host=True).factor(_system(J, r), d)
+    out = host.solve_scaled(0.0, -r)
+    assert out is not None
+    # min ‖D^½δ‖ subject to Jδ = -r: δ = D^-½ pinv(J D^-½)(-r).
+    s = d.rsqrt()
+    ref = s * (torch.linalg.pinv(J * s) @ -r)
+    torch.testing.assert_close(out[0], ref, rtol=1e-10, atol=1e-12)
+
+
+def test_host_path_only_for_a_few_float64_cpu_columns() -> None:
+    r = torch.ones(40, dtype=F64)
+    wide = torch.ones(40, HOST_MAX_N + 1, dtype=F64)
+    assert (
+        not QRSolver(host=True)
+        .factor(_system(wide, r), torch.ones(HOST_MAX_N + 1, dtype=F64))
+        .on_host
+    )
+    narrow = torch.ones(40, 3, dtype=torch.float32)
+    system = _system(narrow, r.float())
+    assert not QRSolver(host=True).factor(system, torch.ones(3)).on_host
+    assert (
+        not QRSolver()
+        .factor(_system(torch.ones(40, 3, dtype=F64), r), torch.ones(3, dtype=F64))
+        .on_host
+    )
+
+
+def test_host_factorisation_of_a_non_finite_matrix_fails_like_a_qr() -> None:
+    J = torch.ones(5, 2, dtype=F64)
+    J[0, 0] = math.inf
+    with pytest.raises(torch.linalg.LinAlgError, match="not finite"):
+        QRSolver(host=True).factor(_system(J, torch.ones(5, dtype=F64)), torch.ones(2, dtype=F64))
+
+
+def _model(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    return x[0] * np.exp(-x[1] * t) + x[2] * t
+
+
+@pytest.mark.parametrize("scheme", ["2-point", "3-point"])
+@pytest.mark.parametrize("rel_step", [None, 1e-6])
+def test_numpy_finite_differences_equal_the_torch_path_bitwise(
+    scheme: str, rel_step: float | None
+) -> None:
+    t = np.linspace(0, 3, 11)
+
+    def fun_np(x: np.ndarray) -> np.ndarray:
+        return _model(x, t)
+
+    def fun_torch(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(fun_np(x.numpy()))
+
+    x = torch.tensor([2.5, -0.3, 0.0], dtype=F64)
+    step = None if rel_step is None else torch.full((3,), rel_step, dtype=F64)
+    ref = finite_difference(fun_torch, scheme, rel_step=step)(x)
+    out = finite_difference(fun_torch, scheme, rel_step=step, numpy_fun=fun_np)(x)
+    assert torch.equal(out, ref)
+
+
+def test_auto_mode_takes_reverse_mode_for_small_problems() -> None:
+    assert auto_mode(14, 2) == "rev"
+    assert auto_mode(256, 16) == "rev"
+    assert auto_mode(257, 3) == "fwd"
+    assert auto_mode(1000, 17) == "fwd"
+    assert auto_mode(5, 40) == "rev"  # fewer residuals than parameters
+
+
+@pytest.mark.parametrize("m", [14, 300])
+def test_auto_jacobian_equals_forward_mode_on_both_sides_of_the_rule(m: int) -> None:
+    t = torch.linspace(0, 3, m, dtype=F64)
+
+    def fun(x: torch.Tensor) -> torch.Tensor:
+        return x[0] * torch.exp(-x[1] * t) + x[2] * t
+
+    x = torch.tensor([2.5, -0.3, 0.7], dtype=F64)
+    J = jacobian_function("auto", fun, numpy_fun=False, shape=(m, 3), args=(), kwargs={})(x)
+    torch.testing.assert_close(J, torch.func.jacfwd(fun)(x), rtol=1e-14, atol=1e-14)
+
+
+def test_least_squares_on_the_host_path_matches_scipy() -> None:
+    scipy_optimize = pytest.importorskip("scipy.optimize")
+    t = np.linspace(0, 3, 11)
+    y = _model(np.array([2.0, 0.7, 0.3]), t) + 0.01 * np.sin(7 * t)
+
+    def fun(x: np.ndarray) -> np.ndarray:
+        return _model(x, t) - y
+
+    x0 = np.array([1.0, 1.0, 0.0])
+    ours = so.least_squares(fun, x0, method="lm", ftol=1e-12, xtol=1e-12, gtol=1e-12)
+    ref = scipy_optimize.least_squares(fun, x0, method="lm", ftol=1e-12, xtol=1e-12, gtol=1e-12)
+    np.testing.assert_allclose(ours.x, ref.x, rtol=1e-7)
+    assert ours.cost == pytest.approx(ref.cost, rel=1e-10)

@@ -498,6 +498,12 @@ def issue17_lines(results: Sequence[ProblemResult]) -> list[str]:
         lines.append(
             f"| {r['problem']} | {names[r['measure']]} | {value} | {sign} {r['target']:g} | {met} |"
         )
+    lines += [
+        "",
+        "Small problems (NIST StRD, `least_squares` against scipy's MINPACK in one "
+        "process): `python -m benchmarks.nist_time`; figures in benchmarks/NOTES.md, "
+        "'Small problems'.",
+    ]
     return [*lines, ""]
 
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
+from unchanged import assert_unchanged, state_of
 
 import secondorder as so
-from secondorder.lm.checkpoint import entries
 
 DT = torch.float64
 
@@ -205,22 +205,6 @@ def test_residuals_that_ignore_the_parameters_are_refused(residual_fn: Callable)
 
 
 # -- forced per-sample strategies: checked once per input signature ---------------------------
-
-
-def state_of(opt: so.LevenbergMarquardt) -> dict[str, object]:
-    return {
-        k: v.clone() if isinstance(v, Tensor) else v for k, v in entries(opt.state_dict()).items()
-    }
-
-
-def assert_unchanged(
-    model: nn.Module, before: list[Tensor], opt: so.LevenbergMarquardt, state: dict[str, object]
-) -> None:
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    now = state_of(opt)
-    assert now.keys() == state.keys()
-    for k, v in state.items():
-        assert torch.equal(now[k], v) if isinstance(v, Tensor) else now[k] == v, k
 
 
 #: What each forced per-sample strategy says about each interaction.  A functional

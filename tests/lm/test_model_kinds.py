@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
+from unchanged import assert_unchanged, state_of
 
 import secondorder as so
-from secondorder.lm.checkpoint import entries
 
 DT = torch.float64
 # vmap's fallback for ops without a batching rule warns; the probe tries those first.
@@ -104,22 +104,6 @@ def test_auto_finds_a_strategy_that_matches_jacrev(kind: str) -> None:
     torch.testing.assert_close(gram, J.T @ J)
     info = opt.step(x, y)
     assert info.loss < info.loss_before
-
-
-def state_of(opt: so.LevenbergMarquardt) -> dict[str, object]:
-    return {
-        k: v.clone() if isinstance(v, Tensor) else v for k, v in entries(opt.state_dict()).items()
-    }
-
-
-def assert_unchanged(
-    model: nn.Module, before: list[Tensor], opt: so.LevenbergMarquardt, state: dict[str, object]
-) -> None:
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    now = state_of(opt)
-    assert now.keys() == state.keys()
-    for k, v in state.items():
-        assert torch.equal(now[k], v) if isinstance(v, Tensor) else now[k] == v, k
 
 
 CAUSES = {

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from unchanged import same_state
 
 import secondorder as so
 from secondorder.lm import optimizer as lm_module
@@ -49,20 +50,6 @@ def assert_bitwise(model: nn.Module, before: list[Tensor]) -> None:
     assert len(now) == len(before)
     for p, q in zip(now, before, strict=True):
         assert torch.equal(p.detach(), q), "parameters changed"
-
-
-def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Equality of two optimizer state dicts, tensors compared bitwise."""
-    if a.keys() != b.keys():
-        return False
-    for k in a:
-        x, y = a[k], b[k]
-        if isinstance(x, Tensor) or isinstance(y, Tensor):
-            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
 
 
 def mlp(seed: int = 0, hidden: int = 8, dtype: torch.dtype = F64) -> nn.Module:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from unchanged import same_state
 
 import secondorder as so
 from secondorder.lm.checkpoint import entries
@@ -104,22 +105,6 @@ def _bitwise_params(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for k in a:
-        x, y = a[k], b[k]
-        if isinstance(x, Tensor) or isinstance(y, Tensor):
-            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and torch.equal(x, y)):
-                return False
-        elif isinstance(x, float) and isinstance(y, float) and math.isnan(x):
-            if not math.isnan(y):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_interrupt_in_a_later_attempt_leaves_no_trace(case: str) -> None:
     sizes, (x, y), inner, slices, options = CASES[case]
@@ -139,7 +124,7 @@ def test_interrupt_in_a_later_attempt_leaves_no_trace(case: str) -> None:
     assert res.trial_calls == slices + 1, "the interrupt must come in the second attempt"
     assert _bitwise_params(model, before)
     assert opt.damping == damping
-    assert _same_state(entries(opt.state_dict()), entries(state))
+    assert same_state(entries(opt.state_dict()), entries(state))
 
     # The next step equals a fresh optimizer's, loaded from the state before the failure.
     res.arm({})
@@ -150,7 +135,7 @@ def test_interrupt_in_a_later_attempt_leaves_no_trace(case: str) -> None:
     assert info.accepted == ref.accepted and info.attempts == ref.attempts
     assert info.loss == ref.loss and info.damping == ref.damping
     assert _bitwise_params(model, fresh_model)
-    assert _same_state(entries(opt.state_dict()), entries(fresh.state_dict()))
+    assert same_state(entries(opt.state_dict()), entries(fresh.state_dict()))
 
 
 @pytest.mark.parametrize("case", ["primal-float32-full-batch", "dual-cross-entropy"])
@@ -212,7 +197,7 @@ def test_an_interrupt_in_the_batchnorm_statistics_forward_leaves_no_trace() -> N
         opt.step(x, y)
     for (name, a), b in zip(model.state_dict().items(), before.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    assert _same_state(entries(opt.state_dict()), entries(state))
+    assert same_state(entries(opt.state_dict()), entries(state))
 
     model.armed = False
     fresh_model = copy.deepcopy(before)

@@ -200,6 +200,36 @@ def _dual_jacobian(rows: int, hidden: int, seed: int) -> Tensor:
     return torch.cat([jac[k].reshape(rows, -1) for k in params], dim=1).detach()
 
 
+def _dual_case(
+    rows: int, hidden: int, seed: int, dependent: bool
+) -> tuple[Tensor, Tensor, Tensor, float]:
+    """``(J, r, D, s)``: D = diag(JᵀJ), s the mean diagonal of ``JD⁻¹Jᵀ``.
+
+    ``dependent`` doubles the rows with copies perturbed by 1e-3 (nearly dependent).
+    """
+    jac = _dual_jacobian(rows, hidden, seed)
+    if dependent:
+        noise = torch.randn(jac.shape, generator=torch.Generator().manual_seed(5))
+        jac = torch.cat([jac, jac * (1 + 1e-3 * noise)])
+    r = torch.randn(jac.shape[0], generator=torch.Generator().manual_seed(seed))
+    d = (jac * jac).sum(0).clamp(min=1e-12)
+    scale = float((d > torch.finfo(torch.float32).tiny).sum()) / jac.shape[0]
+    return jac, r, d, scale
+
+
+def _float32_step_error(jac: Tensor, d: Tensor, r: Tensor, lam: float) -> float:
+    """Relative error of the float32 dual step ``D^-½ Jsᵀ (JsJsᵀ + λI)⁻¹(−r)`` vs float64."""
+    steps = {}
+    for dt in (torch.float32, torch.float64):
+        js = jac.to(dt) * d.to(dt).rsqrt()
+        k = js @ js.T
+        k.diagonal().add_(lam)
+        y = torch.linalg.solve(k, -r.to(dt))
+        steps[dt] = (d.to(dt).rsqrt() * (js.T @ y)).double()
+    ref = steps[torch.float64]
+    return float(torch.linalg.vector_norm(steps[torch.float32] - ref) / ref.norm())
+
+
 @pytest.mark.parametrize(
     ("rows", "hidden", "seed", "dependent"),
     [(16, 64, 0, False), (32, 256, 1, False), (24, 128, 2, False), (16, 128, 3, True)],
@@ -217,30 +247,15 @@ def test_a_chosen_float32_dual_solve_is_within_the_tolerance(
     bounds it), where the rule, which sees only λ, still keeps float64 below
     λ ≈ ε/tol (benchmarks/NOTES.md, issue 17).
     """
-    jac = _dual_jacobian(rows, hidden, seed)
-    if dependent:
-        noise = torch.randn(jac.shape, generator=torch.Generator().manual_seed(5))
-        jac = torch.cat([jac, jac * (1 + 1e-3 * noise)])
-        rows = 2 * rows
-    r = torch.randn(rows, generator=torch.Generator().manual_seed(seed))
-    d = (jac * jac).sum(0).clamp(min=1e-12)
+    jac, r, d, scale = _dual_case(rows, hidden, seed, dependent)
     n = jac.shape[1]
-    scale = float((d > torch.finfo(torch.float32).tiny).sum()) / rows
     precision = GramPrecision("auto", tol=0.1)
     chosen = set()
     worst_refused = 0.0
     for lam in torch.logspace(-8, 1, 19).tolist():
         dtype = precision.choose(torch.float32, lam, n, scale)
         chosen.add(dtype)
-        steps = {}
-        for dt in (torch.float32, torch.float64):
-            js = jac.to(dt) * d.to(dt).rsqrt()
-            k = js @ js.T
-            k.diagonal().add_(lam)
-            y = torch.linalg.solve(k, -r.to(dt))
-            steps[dt] = (d.to(dt).rsqrt() * (js.T @ y)).double()
-        ref = steps[torch.float64]
-        err32 = float(torch.linalg.vector_norm(steps[torch.float32] - ref) / ref.norm())
+        err32 = _float32_step_error(jac, d, r, lam)
         if dtype == torch.float32:
             assert err32 <= precision.tol, (lam, err32)
         else:
@@ -266,15 +281,8 @@ def test_a_certified_floor_keeps_the_dual_promise_and_takes_float32_more_often(
     """
     from secondorder.lm.precision import certified_floor
 
-    jac = _dual_jacobian(rows, hidden, seed)
-    if dependent:
-        noise = torch.randn(jac.shape, generator=torch.Generator().manual_seed(5))
-        jac = torch.cat([jac, jac * (1 + 1e-3 * noise)])
-        rows = 2 * rows
-    r = torch.randn(rows, generator=torch.Generator().manual_seed(seed))
-    d = (jac * jac).sum(0).clamp(min=1e-12)
+    jac, r, d, scale = _dual_case(rows, hidden, seed, dependent)
     n = jac.shape[1]
-    scale = float((d > torch.finfo(torch.float32).tiny).sum()) / rows
     precision = GramPrecision("auto", tol=0.1)
     eps = precision.error_estimate(n, scale)
     js32 = jac * d.rsqrt()
@@ -292,14 +300,7 @@ def test_a_certified_floor_keeps_the_dual_promise_and_takes_float32_more_often(
         sharper += old == torch.float64 and dtype == torch.float32
         if dtype == torch.float64:
             continue
-        steps = {}
-        for dt, js in ((torch.float32, js32), (torch.float64, js64)):
-            k = js @ js.T
-            k.diagonal().add_(lam)
-            y = torch.linalg.solve(k, -r.to(dt))
-            steps[dt] = (d.to(dt).rsqrt() * (js.T @ y)).double()
-        ref = steps[torch.float64]
-        err = float(torch.linalg.vector_norm(steps[torch.float32] - ref) / ref.norm())
+        err = _float32_step_error(jac, d, r, lam)
         assert err <= precision.tol, (lam, err)
     if dependent:
         assert floor < eps  # nothing useful to certify: the λ-only rule stands

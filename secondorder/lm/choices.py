@@ -47,11 +47,11 @@ from .jacobian import (
 from .linalg import LinearSolver, NormalEquations
 from .model import ModelFunction, interacting_modules, slice_tree
 from .planner import USABLE_FRACTION, MemoryPlan, PlanError, available_memory, plan_memory
-from .precision import GramPrecision
+from .precision import DualFloorCheck, GramPrecision
 from .problem import BatchSetup, raise_if_failed
 from .sharded import BroadcastSolver, ShardedCGSolver
 
-__all__ = ["Choices", "normal_matrix_dtype", "set_solver_dtype"]
+__all__ = ["Choices", "normal_matrix_dtype", "set_dual_check", "set_solver_dtype"]
 
 #: Entries of J (probe rows × parameters) above which the Jacobian check is skipped.
 PROBE_ENTRIES = 1 << 24
@@ -65,6 +65,13 @@ def set_solver_dtype(solver: LinearSolver, dtype: torch.dtype) -> None:
     inner = getattr(solver, "inner", solver)
     if hasattr(inner, "dtype"):
         inner.dtype = dtype
+
+
+def set_dual_check(solver: LinearSolver, check: DualFloorCheck) -> None:
+    """Let ``solver`` (or the solver a wrapper runs) try a float32 dual matrix first."""
+    inner = getattr(solver, "inner", solver)
+    if hasattr(inner, "dual_check"):
+        inner.dual_check = check
 
 
 def normal_matrix_dtype(solver: LinearSolver, system: NormalEquations) -> str:

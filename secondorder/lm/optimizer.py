@@ -28,11 +28,11 @@ from ..distributed import Reducer, resolve_reducer
 from ..distributed.devices import replicate_module, resolve_devices, sync_replica
 from .batch import check_step
 from .checkpoint import STATE_FORMAT_VERSION, Checkpoint, read_state_dict, write_state_dict
-from .choices import Choices, normal_matrix_dtype, set_solver_dtype
+from .choices import Choices, normal_matrix_dtype, set_dual_check, set_solver_dtype
 from .config import LMConfig
 from .damping import DampingState, make_damping_matrix, make_damping_rule, raise_damping
 from .engine import EngineConfig, Outcome, iterate
-from .linalg import LinearSolver, NormalEquations
+from .linalg import NormalEquations
 from .model import ModelFunction, interacting_modules, to_device
 from .planner import MemoryPlan, PlanError
 from .precision import DualFloorCheck
@@ -479,7 +479,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             if dual_dtype == torch.float64 and math.isfinite(scale):
                 # λ alone asks for float64; the float32 matrix may still be exact
                 # enough when its rows are independent (checked on the matrix).
-                _set_dual_check(
+                set_dual_check(
                     setup.solver,
                     DualFloorCheck(
                         self._choices.precision, self._damping.damping, self._function.n, scale
@@ -740,10 +740,3 @@ def _outside_inference(tree: Any) -> Any:
     return tree_unflatten(
         [t.clone() if isinstance(t, Tensor) and t.is_inference() else t for t in leaves], spec
     )
-
-
-def _set_dual_check(solver: LinearSolver, check: DualFloorCheck) -> None:
-    """Let ``solver`` (or the solver a wrapper runs) try a float32 dual matrix first."""
-    inner = getattr(solver, "inner", solver)
-    if hasattr(inner, "dual_check"):
-        inner.dual_check = check

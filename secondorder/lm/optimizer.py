@@ -482,7 +482,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
                 set_dual_check(
                     setup.solver,
                     DualFloorCheck(
-                        self._choices.precision, self._damping.damping, self._function.n, scale
+                        self._choices.precision, self._damping.damping, self._function.n
                     ),
                 )
         if not finite:

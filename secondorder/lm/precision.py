@@ -28,12 +28,21 @@ default) and float32 parameters it uses float32 when the estimated error is at m
   against 2.4e-5 to 2.6e-5 (256 × 2,410): conservative by 2-7x, where the largest
   diagonal entry in place of the mean would be 15-40x.
 
-In the dual form λ is not the only bound: ``λ_min(K + λI) = λ + λ_min(K)``, and with
-independent rows ``λ_min(K)`` is far above the rounding.  When λ alone asks for
-float64, the dual Cholesky solver first forms K in float32 and keeps it when
-:func:`certified_floor` of that matrix makes :meth:`GramPrecision.choose_dual` say
-float32 (:class:`DualFloorCheck`; three m×m factorisations, ~0.1 ms each at
-m = 128); otherwise it forms K in float64 as asked.
+In the dual form λ is not the only bound, and ``s`` is the wrong unit.  The rounding of
+entry ``(i, j)`` of the float32 ``K̂ = J D⁻¹ Jᵀ`` is proportional to the norms of rows i
+and j, and on a classifier's mini-batch those norms spread over many orders of
+magnitude (a well-classified sample's residual and row are both tiny: a ratio of
+1e20 between the largest and smallest row norm on the benchmark's digits CNN).  Scaled
+by ``R = diag(K̂ + λI)^½`` the damped matrix ``M = R⁻¹(K + λI)R⁻¹`` has a unit
+diagonal, its rounding error is ``‖R⁻¹ E R⁻¹‖₂ ≈ u·√n`` whatever the row norms
+(measured at most 1.3·u·√n on the benchmark's digits problems), and the solve's error
+relative to ``R y`` is at most that over ``λ_min(M)``, which with independent rows
+stays near 1e-2 as λ falls to 1e-12 (the unscaled ``λ_min(K)`` falls to rounding).  This
+is the scale invariance of the Cholesky factorisation (van der Sluis' theorem).  When
+λ alone asks for float64, the dual Cholesky solver first forms K̂ in float32 and keeps
+it when one float64 factorisation proves ``λ_min(M) ≥ ε̃/tol`` (:class:`DualFloorCheck`,
+with ``ε̃ = u·(4√n + m)``: four times the measured product error plus the float32
+factorisation's own); otherwise it forms K in float64 as asked.
 
 The rule needs ``D ≥ diag(JᵀJ)``, which holds for the ``"marquardt"`` and ``"more"``
 damping matrices; with ``"identity"`` λ carries the units of ``JᵀJ`` and ``"auto"``
@@ -49,7 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DualFloorCheck", "GramPrecision", "certified_floor"]
+__all__ = ["DualFloorCheck", "GramPrecision", "floor_holds"]
 
 _U32 = float(torch.finfo(torch.float32).eps) / 2.0
 
@@ -112,60 +121,29 @@ class GramPrecision:
         eps = self.error_estimate(terms, scale)
         return torch.float32 if eps <= self.tol * damping else torch.float64
 
-    def choose_dual(
-        self, param_dtype: torch.dtype, damping: float, terms: int, scale: float, floor: float
-    ) -> torch.dtype:
-        """:meth:`choose` for the dual form, given a certified ``floor`` of ``λ_min(JD⁻¹Jᵀ)``.
 
-        The float32 solve of ``(K + λI) y = w`` moves by about ``ε / λ_min(K + λI)``
-        relative to ``y``, and ``λ_min(K + λI) = λ + λ_min(K) ≥ λ + floor``: with
-        independent rows the floor, not λ, bounds the error (measured on wide_dual:
-        float32 steps within 4e-6 of float64 at every λ from 1e-4 to 0.1, where ``ε/λ``
-        reaches 11).  ``floor`` comes from :func:`certified_floor`; 0 gives :meth:`choose`.
-        """
-        fixed = self.fixed(param_dtype)
-        if fixed is not None:
-            return fixed
-        values = (scale, damping, floor)
-        if not all(math.isfinite(v) for v in values) or floor < 0:
-            return torch.float64
-        eps = self.error_estimate(terms, scale)
-        return torch.float32 if eps <= self.tol * (damping + floor) else torch.float64
+_U64 = float(torch.finfo(torch.float64).eps) / 2.0
+_TINY32 = float(torch.finfo(torch.float32).tiny)
 
 
-def certified_floor(k: Tensor, eps: float, tries: int = 3) -> float:
-    """A lower bound on ``λ_min(K)`` from a computed ``K̂`` with ``‖K̂ − K‖₂ ≤ eps``.
+def floor_holds(k: Tensor, mu: float, eps: float) -> bool:
+    """Whether ``λ_min(K) > mu`` is proven from a computed ``K̂ = k`` with ``‖K̂ − K‖₂ ≤ eps``.
 
     Weyl's inequality gives ``λ_min(K) ≥ λ_min(K̂) − eps``, and a Cholesky
-    factorisation of ``K̂ − (μ + eps + δ)I`` in float64 that succeeds shows
-    ``λ_min(K̂) > μ + eps`` (``δ = m·u₆₄·trace`` covers the factorisation's own
-    rounding), so ``λ_min(K) > μ``.  Candidates ``μ = t·4⁻ʲ`` (``t`` the mean diagonal
-    entry, j = 1..8) are searched by bisection in ``tries`` factorisations of the
-    m × m matrix (m³/3 flops each: ~0.1 ms at m = 128); 0.0 when none succeeds.
+    factorisation of ``K̂ − (mu + eps + δ)I`` in float64 that succeeds shows
+    ``λ_min(K̂) > mu + eps`` (``δ = m·u₆₄·trace`` covers the factorisation's own
+    rounding).  One factorisation of the m × m matrix; ``False`` when it fails or
+    ``k`` is not finite.
     """
     m = k.shape[0]
-    if m == 0 or not math.isfinite(eps):
-        return 0.0
-    k64 = k.to(torch.float64)
-    trace = float(k64.diagonal().sum())
-    if not math.isfinite(trace) or trace <= 0:
-        return 0.0
-    mean = trace / m
-    slack = eps + m * float(torch.finfo(torch.float64).eps) * trace
-    lo, hi = 9, 1  # exponents: 4^-9 stands for "nothing certified"
-    best = 0.0
-    for _ in range(tries):
-        if hi >= lo:
-            break
-        j = (lo + hi) // 2
-        mu = mean * 4.0**-j
-        shifted = k64.clone()
-        shifted.diagonal().sub_(mu + slack)
-        if int(torch.linalg.cholesky_ex(shifted)[1]) == 0:
-            best, lo = mu, j  # certified: try a larger μ (smaller j)
-        else:
-            hi = j + 1
-    return best
+    if m == 0 or not (math.isfinite(eps) and math.isfinite(mu)):
+        return False
+    shifted = k.to(torch.float64, copy=True)
+    trace = float(shifted.diagonal().sum())
+    if not math.isfinite(trace):
+        return False
+    shifted.diagonal().sub_(mu + eps + m * _U64 * abs(trace))
+    return int(torch.linalg.cholesky_ex(shifted)[1]) == 0
 
 
 @dataclass(frozen=True)
@@ -174,29 +152,39 @@ class DualFloorCheck:
 
     Set on the dual Cholesky solver for one iteration when :meth:`GramPrecision.choose`
     asked for float64 from λ alone: the solver then forms ``K̂ = J D⁻¹ Jᵀ`` in float32
-    (no wider copy of J), and keeps it when :func:`certified_floor` of ``K̂`` makes
-    :meth:`GramPrecision.choose_dual` say float32; otherwise it forms K in float64 as
-    asked.  With independent rows (the usual case of a wide network on a mini-batch)
-    the floor, not λ, bounds the error, so the float32 product, about half the
-    float64 one's cost, is kept even as λ falls toward Gauss-Newton.
+    (no wider copy of J), scales ``K̂ + λI`` to a unit diagonal (``M̂ = R⁻¹(K̂ + λI)R⁻¹``)
+    and keeps the float32 matrix when :func:`floor_holds` proves ``λ_min(M) ≥ ε̃/tol``
+    for ``ε̃ = u·(4√n + m)``; otherwise it forms K in float64 as asked.  The solve's
+    error relative to ``R y`` is then at most ``ε̃ / λ_min(M) ≤ tol``.  Later attempts
+    of the iteration only raise λ, which only raises ``λ_min`` of ``R⁻¹(K + λI)R⁻¹``
+    with the same R, so one check holds for the whole iteration.
 
     Attributes:
         precision: the configuration's rule (its ``tol``).
-        damping: λ of the iteration's first attempt (later attempts only raise it).
+        damping: λ of the iteration's first attempt.
         terms: the length of each entry's sum, the number of parameters.
-        scale: the mean diagonal entry of ``J D⁻¹ Jᵀ`` (NormalEquations.dual_scale).
     """
 
     precision: GramPrecision
     damping: float
     terms: int
-    scale: float
+
+    def error_estimate(self, rows: int) -> float:
+        """``ε̃ = u·(4√terms + rows)``: the rounding of the unit-diagonal float32 system."""
+        return _U32 * (4.0 * math.sqrt(max(self.terms, 1)) + rows)
 
     def float32_suffices(self, k32: Tensor) -> bool:
         """Whether ``k32`` (the float32 ``K̂``) may be used in place of the float64 K."""
-        eps = self.precision.error_estimate(self.terms, self.scale)
-        floor = certified_floor(k32, eps)
-        chosen = self.precision.choose_dual(
-            torch.float32, self.damping, self.terms, self.scale, floor
-        )
-        return chosen == torch.float32
+        if not (math.isfinite(self.damping) and self.damping >= 0):
+            return False
+        m = k32.shape[0]
+        k = k32.to(torch.float64, copy=True)
+        k.diagonal().add_(self.damping)
+        diag = k.diagonal()
+        # Rows whose squares reach float32's underflow have no relative accuracy left.
+        if not bool((diag > self.terms * _TINY32 / _U32).all()):
+            return False
+        r = diag.rsqrt()
+        k.mul_(r[:, None]).mul_(r[None, :])
+        eps = self.error_estimate(m)
+        return floor_holds(k, eps / self.precision.tol, eps)

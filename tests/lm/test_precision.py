@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 import secondorder as so
-from secondorder.lm.precision import GramPrecision
+from secondorder.lm.precision import DualFloorCheck, GramPrecision, floor_holds
 
 U32 = torch.finfo(torch.float32).eps / 2
 
@@ -265,63 +265,100 @@ def test_a_chosen_float32_dual_solve_is_within_the_tolerance(
         assert worst_refused > precision.tol  # float64 was needed somewhere
 
 
+def test_floor_holds_proves_only_true_floors() -> None:
+    """Against float64 eigenvalues: a floor below ``λ_min(K)`` is proven from a perturbed
+    ``K̂`` (``‖K̂ − K‖₂ ≤ eps``), one above it never is; bad input proves nothing."""
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(12, 12, generator=g, dtype=torch.float64))
+    evals = torch.logspace(-3, 1, 12, dtype=torch.float64)
+    k = q @ torch.diag(evals) @ q.T
+    noise = torch.randn(12, 12, generator=g, dtype=torch.float64)
+    noise = (noise + noise.T) * 1e-6
+    eps = float(torch.linalg.matrix_norm(noise, 2))
+    k_hat = k + noise
+    assert floor_holds(k_hat, 0.5e-3, eps)
+    assert floor_holds(k_hat.float(), 0.5e-3, eps + 1e-5)  # float32 input, its rounding added
+    assert not floor_holds(k_hat, 1e-3, eps)  # λ_min(K) itself
+    assert not floor_holds(k_hat, 2e-3, 0.0)
+    assert not floor_holds(torch.zeros(0, 0), 0.0, 0.0)
+    assert not floor_holds(k_hat, 0.5e-3, math.inf)
+    assert not floor_holds(k_hat, math.nan, eps)
+    assert not floor_holds(torch.full((3, 3), math.nan), 0.0, 0.0)
+
+
+def _scaled_rows(jac: Tensor, r: Tensor, spread: float) -> tuple[Tensor, Tensor]:
+    """Rows (and residuals) scaled by ``10^0 … 10^-spread``, as a classifier's rows are:
+    a well-classified sample has a tiny residual and a tiny row."""
+    scale = torch.logspace(0, -spread, jac.shape[0])[torch.randperm(jac.shape[0])]
+    return jac * scale[:, None], r * scale
+
+
 @pytest.mark.parametrize(
-    ("rows", "hidden", "seed", "dependent"),
-    [(16, 64, 0, False), (32, 256, 1, False), (24, 128, 2, False), (16, 128, 3, True)],
+    ("rows", "hidden", "seed", "dependent", "spread"),
+    [
+        (16, 64, 0, False, 0.0),
+        (32, 256, 1, False, 0.0),
+        (24, 128, 2, False, 0.0),
+        (32, 128, 4, False, 12.0),
+        (16, 128, 3, True, 0.0),
+        (16, 128, 5, True, 6.0),
+    ],
 )
-def test_a_certified_floor_keeps_the_dual_promise_and_takes_float32_more_often(
-    rows: int, hidden: int, seed: int, dependent: bool
+def test_the_scaled_dual_check_keeps_the_promise_and_takes_float32_more_often(
+    rows: int, hidden: int, seed: int, dependent: bool, spread: float
 ) -> None:
-    """``choose_dual`` with :func:`certified_floor` of the float32 matrix, against float64.
+    """:class:`DualFloorCheck` on the float32 matrix, against float64 across λ.
 
-    The floor is a true lower bound of ``λ_min(JD⁻¹Jᵀ)`` (float64 eigenvalues); a
-    float32 choice keeps the step within ``tol`` of the float64 step at every λ; with
-    independent rows float32 is chosen wherever the λ-only rule chose it, and at
-    smaller λ too.
+    Its premise holds (the float32 product's error, scaled to a unit diagonal, is
+    below ``ε̃``); wherever it keeps float32 the step is within ``tol`` of the float64
+    step; with independent rows it keeps float32 where the λ-only rule refused it, even
+    with row norms spread over 12 orders of magnitude; with nearly dependent rows it
+    refuses float32 at small λ, where float32 is indeed wrong.
     """
-    from secondorder.lm.precision import certified_floor
-
     jac, r, d, scale = _dual_case(rows, hidden, seed, dependent)
+    if spread:
+        torch.manual_seed(seed)
+        jac, r = _scaled_rows(jac, r, spread)
+        d = (jac * jac).sum(0).clamp(min=1e-30)
+        scale = float((jac.double() ** 2 / d.double()).sum()) / jac.shape[0]
     n = jac.shape[1]
     precision = GramPrecision("auto", tol=0.1)
-    eps = precision.error_estimate(n, scale)
     js32 = jac * d.rsqrt()
     k32 = js32 @ js32.T
     js64 = jac.double() * d.double().rsqrt()
     k64 = js64 @ js64.T
-    assert float(torch.linalg.matrix_norm(k32.double() - k64, 2)) <= eps  # the premise
-    floor = certified_floor(k32, eps)
-    assert 0.0 <= floor <= float(torch.linalg.eigvalsh(k64)[0])
-    sharper = 0
-    for lam in torch.logspace(-8, 1, 19).tolist():
-        dtype = precision.choose_dual(torch.float32, lam, n, scale, floor)
-        old = precision.choose(torch.float32, lam, n, scale)
-        assert not (old == torch.float32 and dtype == torch.float64)
-        sharper += old == torch.float64 and dtype == torch.float32
-        if dtype == torch.float64:
-            continue
+    kept, sharper, worst_refused = [], 0, 0.0
+    for lam in torch.logspace(-12, 1, 27).tolist():
+        check = DualFloorCheck(precision, lam, n)
+        inv = (k32.double().diagonal() + lam).rsqrt()
+        scaled_error = (k32.double() - k64) * inv[:, None] * inv[None, :]
+        assert float(torch.linalg.matrix_norm(scaled_error, 2)) <= check.error_estimate(rows)
+        float32 = check.float32_suffices(k32)
         err = _float32_step_error(jac, d, r, lam)
-        assert err <= precision.tol, (lam, err)
+        if float32:
+            assert err <= precision.tol, (lam, err)
+            kept.append(lam)
+            sharper += precision.choose(torch.float32, lam, n, scale) == torch.float64
+        else:
+            worst_refused = max(worst_refused, err)
     if dependent:
-        assert floor < eps  # nothing useful to certify: the λ-only rule stands
+        assert min(kept, default=math.inf) > 1e-6  # refused below,
+        assert worst_refused > precision.tol  # where float32 would have been wrong
     else:
-        assert floor > 0.0 and sharper > 0
+        assert len(kept) == 27 and sharper > 0
 
 
-def test_certified_floor_edge_cases() -> None:
-    from secondorder.lm.precision import certified_floor
-
-    assert certified_floor(torch.zeros(0, 0), 1e-3) == 0.0
-    assert certified_floor(torch.eye(3), math.inf) == 0.0
-    assert certified_floor(torch.zeros(3, 3), 1e-3) == 0.0  # trace 0
-    singular = torch.ones(4, 4)  # rank one
-    assert certified_floor(singular, 1e-6) == 0.0
-    floor = certified_floor(4.0 * torch.eye(5), 1e-6, tries=8)
-    assert 0.0 < floor <= 4.0
+def test_the_scaled_dual_check_refuses_what_it_cannot_judge() -> None:
     precision = GramPrecision("auto", tol=0.1)
-    assert precision.choose_dual(torch.float32, 1e-3, 100, 1.0, math.nan) == torch.float64
-    assert precision.choose_dual(torch.float32, 1e-3, 100, 1.0, -1.0) == torch.float64
-    assert precision.choose_dual(torch.float64, 1e-3, 100, 1.0, 10.0) == torch.float64
+    k = torch.eye(4)
+    assert DualFloorCheck(precision, 1e-3, 100).float32_suffices(k)
+    assert not DualFloorCheck(precision, math.nan, 100).float32_suffices(k)
+    assert not DualFloorCheck(precision, -1.0, 100).float32_suffices(k)
+    zero_row = torch.diag(torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    assert not DualFloorCheck(precision, 0.0, 100).float32_suffices(zero_row)  # λ = 0
+    nan = k.clone()
+    nan[1, 2] = nan[2, 1] = math.nan
+    assert not DualFloorCheck(precision, 1e-3, 100).float32_suffices(nan)
 
 
 def _dual_step(gram_dtype: torch.dtype | str, duplicated: bool) -> tuple:
@@ -339,7 +376,7 @@ def _dual_step(gram_dtype: torch.dtype | str, duplicated: bool) -> tuple:
     return info, _params(model), opt
 
 
-def test_auto_dual_keeps_float32_where_the_certified_floor_allows() -> None:
+def test_auto_dual_keeps_float32_where_the_scaled_check_allows() -> None:
     """Independent rows: float32 at a λ where λ alone asks for float64, within ``tol``.
 
     The step is the fixed-float32 step bitwise (the same factorisation), and its

@@ -61,6 +61,8 @@ from torch import Tensor
 __all__ = ["DualFloorCheck", "GramPrecision", "floor_holds"]
 
 _U32 = float(torch.finfo(torch.float32).eps) / 2.0
+_U64 = float(torch.finfo(torch.float64).eps) / 2.0
+_TINY32 = float(torch.finfo(torch.float32).tiny)
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,6 @@ class GramPrecision:
             return torch.float64
         eps = self.error_estimate(terms, scale)
         return torch.float32 if eps <= self.tol * damping else torch.float64
-
-
-_U64 = float(torch.finfo(torch.float64).eps) / 2.0
-_TINY32 = float(torch.finfo(torch.float32).tiny)
 
 
 def floor_holds(k: Tensor, mu: float, eps: float) -> bool:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..lm.linalg import NormalEquations
+from ..lm.linalg import HOST_MAX_N, NormalEquations
 from .bounds import BoxTransform
 from .functions import CallCounter, JacobianFn
 from .losses import Loss, doubled_cost, rho
@@ -30,15 +30,17 @@ __all__ = ["FunctionProblem", "is_finite_system"]
 
 
 def is_finite_system(system: NormalEquations) -> bool:
-    """Whether the linearisation holds finite numbers only (J, Jᵀr, column norms)."""
-    parts = [system.grad, system.col_sq] + ([system.jac] if system.jac is not None else [])
+    """Whether the linearisation holds finite numbers only (J, Jᵀr, column norms).
+
+    J itself is not scanned: ``col_sq`` holds the squared column norms of the rows the
+    solver sees, finite exactly when every entry of J is (or its squares overflow, which
+    no step could survive either).
+    """
+    parts = [system.grad, system.col_sq]
     if all(t.device.type == "cpu" and t.dtype == torch.float64 for t in parts):
         # Host tensors (every fit of a few parameters): NumPy reads them in place.
-        return all(bool(np.isfinite(t.numpy()).all()) for t in parts)
-    finite = torch.isfinite(parts[0]).all()
-    for t in parts[1:]:
-        finite = finite & torch.isfinite(t).all()
-    return bool(finite)  # one host read
+        return bool(np.isfinite(parts[0].numpy()).all() and np.isfinite(parts[1].numpy()).all())
+    return bool(torch.isfinite(parts[0]).all() & torch.isfinite(parts[1]).all())  # one read
 
 
 class FunctionProblem:
@@ -131,14 +133,11 @@ class FunctionProblem:
         f = self.residuals(y)
         if self.loss == "linear" and f.device.type == "cpu" and f.dtype == torch.float64:
             # The common fit: ‖f‖² read in NumPy, no torch call or separate host read.
+            # vdot raises no floating-point warning: an overflow is inf, as on the
+            # device, and a non-finite residual makes the sum inf or NaN.
             a = f.numpy()
-            top = float(np.abs(a).max()) if a.size else 0.0
-            if not math.isfinite(top):
-                return math.inf
-            if top * top * a.size < 1e300:
-                return float(a @ a)
-            with np.errstate(over="ignore"):  # as on the device: an overflow is inf
-                return float(a @ a)
+            total = float(np.vdot(a, a))
+            return total if math.isfinite(total) else math.inf
         return self.cost2(f) if bool(torch.isfinite(f).all()) else torch.tensor(math.inf)
 
     def linearize(self, y: Tensor, f: Tensor) -> NormalEquations:
@@ -151,6 +150,8 @@ class FunctionProblem:
         with residual 0, which adds it to ``diag(JᵀJ)`` and leaves ``Jᵀr`` unchanged.
         """
         J = self.jacobian(y, f)
+        if self._plain_host(J, f):
+            return self._host_system(J, f)
         r, Js = self._robust_rows(f, J)
         scale_sq = None if self.row_scale is None else (J * J).sum(0)
         self.extra_rows = 0
@@ -165,6 +166,44 @@ class FunctionProblem:
             jac=Js,
             residuals=r,
             scale_sq=scale_sq,
+        )
+
+    def _plain_host(self, J: Tensor, f: Tensor) -> bool:
+        """A few float64 CPU columns, the linear loss, no bounds: NumPy forms the system."""
+        return (
+            not self.bounds.any
+            and isinstance(self.loss, str)
+            and self.loss == "linear"
+            and J.ndim == 2
+            and J.shape[1] <= HOST_MAX_N
+            and J.dtype == f.dtype == torch.float64
+            and J.device.type == f.device.type == "cpu"
+        )
+
+    def _host_system(self, J: Tensor, f: Tensor) -> NormalEquations:
+        """:meth:`linearize`'s system in NumPy: the same products, no torch call per vector.
+
+        For a few parameters each torch operation costs more in dispatch than its
+        arithmetic; these views share memory with the tensors the engine receives.
+        """
+        self.row_scale = None
+        self.extra_rows = 0
+        j, r = J.numpy(), f.numpy()
+        # vdot and einsum raise no floating-point warning (an overflow is inf, as in
+        # torch; the caller checks finiteness); Jᵀr's product would, so it gets a guard.
+        loss = np.asarray(np.vdot(r, r))
+        col_sq = np.einsum("ij,ij->j", j, j)
+        with np.errstate(all="ignore"):
+            grad = j.T.dot(r)
+            gram = j.T.dot(j) if self.need_gram else None
+        return NormalEquations(
+            loss_sum=torch.from_numpy(loss),
+            count=r.size,
+            grad=torch.from_numpy(grad),
+            col_sq=torch.from_numpy(col_sq),
+            gram=None if gram is None else torch.from_numpy(gram),
+            jac=J,
+            residuals=f,
         )
 
     def jacobian(self, y: Tensor, f: Tensor) -> Tensor:

@@ -384,9 +384,15 @@ class _HostView:
         with np.errstate(all="ignore"):
             parts = [x.numpy(), system.grad.numpy(), np.sqrt(d.numpy())]
             jac = None if system.jac is None else system.jac.numpy()
-            big = max(
-                float(np.abs(t).max()) if t.size else 0.0 for t in [*parts, jac] if t is not None
-            )
+            # One reduction over the vectors; J's entries are bounded by its column
+            # norms, which the system already holds (Σ J² over the rows it sees).
+            vectors = np.concatenate(parts)
+            big = float(np.abs(vectors).max()) if vectors.size else 0.0
+            if jac is not None and jac.size:
+                col_sq = system.col_sq.numpy()
+                top = math.sqrt(float(col_sq.max())) if col_sq.size else 0.0
+                if not top <= big:  # NaN too: then no bound holds
+                    big = top
         return cls(parts[0], parts[1], jac, parts[2], big if math.isfinite(big) else math.inf)
 
 
@@ -407,24 +413,25 @@ def _measure_on_host(loop: _Loop, view: _HostView, delta: np.ndarray) -> list[fl
 
 
 def _host_values(loop: _Loop, view: _HostView, d: np.ndarray, top: float) -> list[float]:
-    slope = float(view.grad @ d)
+    # ndarray.dot: the products of @, with less dispatch (the caller guards overflow).
+    slope = float(view.grad.dot(d))
     scale = math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0.0 else 1.0
     if view.jac is not None:
-        jd = view.jac @ (d / scale)
-        curvature = float(jd @ jd)
+        jd = view.jac.dot(d / scale)
+        curvature = float(jd.dot(jd))
     else:
         curvature = float(loop.system.curvature(torch.from_numpy(d / scale)))
     xt = view.x + d
     values = [
         1.0,
         -2.0 * slope - curvature * scale * scale,
-        math.sqrt(float(d @ d)),
-        math.sqrt(float(xt @ xt)),
-        math.sqrt(float(view.x @ view.x)),
+        math.sqrt(float(d.dot(d))),
+        math.sqrt(float(xt.dot(xt))),
+        math.sqrt(float(view.x.dot(view.x))),
     ]
     if loop.rule.chooses:
         sd = view.sqrt_d * d
-        values += [math.sqrt(float(sd @ sd)), slope]
+        values += [math.sqrt(float(sd.dot(sd))), slope]
     return values
 
 
@@ -443,7 +450,7 @@ def _choose(loop: _Loop) -> float:
             assert view is not None
             with np.errstate(all="ignore"):
                 xs, gs = view.sqrt_d * view.x, view.grad / view.sqrt_d
-                loop.scaled_norms = (math.sqrt(float(xs @ xs)), math.sqrt(float(gs @ gs)))
+                loop.scaled_norms = (math.sqrt(float(xs.dot(xs))), math.sqrt(float(gs.dot(gs))))
         w = loop.w
         assert w is not None
 

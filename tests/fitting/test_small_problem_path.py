@@ -105,8 +105,9 @@ def _model(x: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("scheme", ["2-point", "3-point"])
 @pytest.mark.parametrize("rel_step", [None, 1e-6])
+@pytest.mark.parametrize("minpack", [False, True])
 def test_numpy_finite_differences_equal_the_torch_path_bitwise(
-    scheme: str, rel_step: float | None
+    scheme: str, rel_step: float | None, minpack: bool
 ) -> None:
     t = np.linspace(0, 3, 11)
 
@@ -118,9 +119,82 @@ def test_numpy_finite_differences_equal_the_torch_path_bitwise(
 
     x = torch.tensor([2.5, -0.3, 0.0], dtype=F64)
     step = None if rel_step is None else torch.full((3,), rel_step, dtype=F64)
-    ref = finite_difference(fun_torch, scheme, rel_step=step)(x)
-    out = finite_difference(fun_torch, scheme, rel_step=step, numpy_fun=fun_np)(x)
+    ref = finite_difference(fun_torch, scheme, rel_step=step, minpack=minpack)(x)
+    out = finite_difference(fun_torch, scheme, rel_step=step, numpy_fun=fun_np, minpack=minpack)(x)
     assert torch.equal(out, ref)
+    # The all-columns-at-once NumPy path equals the column loop it replaced: f(x + hⱼeⱼ)
+    # one column at a time, on a copy of x (the step read back from J's first column).
+    if scheme == "2-point" and rel_step is None:
+        xn, f0 = x.numpy(), fun_np(x.numpy())
+        for j in range(3):
+            h = (abs(xn[j]) or 1.0) * math.sqrt(np.finfo(float).eps) if minpack else None
+            if h is None:
+                h = math.copysign(1.0, xn[j] + 0.0) * max(1.0, abs(xn[j])) * 2.0**-26
+            up = xn.copy()
+            up[j] = xn[j] + h
+            h = up[j] - xn[j]
+            col = (fun_np(up) - f0) / h
+            assert np.array_equal(out[:, j].numpy(), col)
+
+
+def test_minpack_step_is_relative_to_each_parameter() -> None:
+    """MINPACK's step, h = √eps·|xⱼ| (√eps at 0), keeps tiny parameters' columns exact.
+
+    f(x) = x₀²·t + x₁·t² has the closed-form J = [2x₀t, t²]; at x₀ = 1e-6 the step
+    √eps·max(1, |x₀|) = 1.5e-8 is 1.5% of x₀, and the forward difference's truncation
+    error ``h·t`` is 0.7% of the column; MINPACK's step is 1.5e-14.
+    """
+    t = np.linspace(0.5, 2.0, 7)
+
+    def fun(x: np.ndarray) -> np.ndarray:
+        return x[0] ** 2 * t + x[1] * t**2
+
+    def fun_torch(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(fun(x.numpy()))
+
+    x = torch.tensor([1e-6, 0.0], dtype=F64)
+    exact = np.stack([2 * x[0].item() * t, t**2], axis=1)
+    ours = finite_difference(fun_torch, "2-point", numpy_fun=fun, minpack=True)(x).numpy()
+    scipys = finite_difference(fun_torch, "2-point", numpy_fun=fun)(x).numpy()
+    np.testing.assert_allclose(ours, exact, rtol=1e-6)
+    assert np.abs(scipys[:, 0] / exact[:, 0] - 1).max() > 1e-3
+    # At x₁ = 0 the step is √eps itself: a linear column, exact to rounding.
+    np.testing.assert_allclose(ours[:, 1], t**2, rtol=1e-7)
+
+
+def test_finite_differences_refuse_a_residual_count_that_changes() -> None:
+    def fun(x: np.ndarray) -> np.ndarray:
+        return np.ones(3 if x[1] == 0.5 else 4)
+
+    x = torch.tensor([0.5, 0.5], dtype=F64)
+    jac = finite_difference(
+        lambda v: torch.from_numpy(fun(v.numpy())), "3-point", numpy_fun=fun, minpack=False
+    )
+    with pytest.raises(ValueError, match="must not depend on x"):
+        jac(x)
+
+
+@pytest.mark.parametrize(("name", "start"), [("Kirby2", 1), ("Kirby2", 2), ("Hahn1", 2)])
+def test_numpy_residuals_with_minpack_differences_reach_six_digits(name: str, start: int) -> None:
+    """NIST's certified values from NumPy residuals by forward differences (method="lm").
+
+    With the step √eps·max(1, |x|) these starts ended at 2-5 digits (Hahn1's b₅..b₇ are
+    1e-4..1e-7); with MINPACK's relative step at 6 or more, as scipy's lm.
+    """
+    from benchmarks.nist_data import PROBLEMS
+    from benchmarks.nist_evals import lre
+
+    p = PROBLEMS[name]
+    with np.errstate(all="ignore"):
+        res = so.least_squares(
+            p.numpy_residuals(),
+            np.array(p.starts[start - 1], dtype=np.float64),
+            method="lm",
+            ftol=1e-15,
+            xtol=1e-15,
+            gtol=1e-15,
+        )
+    assert lre(res.x.tolist(), p.certified) >= 6
 
 
 def test_auto_mode_takes_reverse_mode_for_small_problems() -> None:

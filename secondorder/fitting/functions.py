@@ -105,15 +105,18 @@ def residual_function(
 
 
 def _numpy_residuals(
-    fun: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    counter: CallCounter, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Callable[[np.ndarray], np.ndarray]:
-    """``x ↦ fun(x, *args, **kwargs)`` for a NumPy ``fun``, flat float64, without torch.
+    """``x ↦ fun(x, *args, **kwargs)`` for ``counter``'s NumPy ``fun``, flat float64, counted.
 
     The result may be the user's own array (no copy when it is float64 already): the
-    finite differences that call this subtract or stack it at once.
+    finite differences that call this subtract or stack it at once.  The call is
+    counted here rather than through ``counter.__call__``: one Python call per column.
     """
+    fun = counter.fun
 
     def call(x: np.ndarray) -> np.ndarray:
+        counter.calls += 1
         arr = np.asarray(fun(x, *args, **kwargs))
         if arr.dtype.kind != "f":  # np.issubdtype(.., np.floating), without its cost
             raise TypeError(f"fun must return real floating-point residuals, got dtype {arr.dtype}")
@@ -429,9 +432,10 @@ def _numpy_difference(
         xn = x.detach().numpy()
         n = xn.size
         if minpack:
-            s = np.full_like(xn, default) if rel is None else np.maximum(rel, default)
+            s = default if rel is None else np.maximum(rel, default)
             h = s * np.abs(xn)
-            h = np.where(h == 0, s, h)
+            if np.count_nonzero(h) < n:  # h = s where xᵢ = 0
+                h = np.where(h == 0, s, h)
         else:
             sign = np.where(xn >= 0, 1.0, -1.0)
             h = default * sign * np.maximum(np.abs(xn), 1.0)

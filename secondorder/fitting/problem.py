@@ -37,8 +37,15 @@ def is_finite_system(system: NormalEquations) -> bool:
     no step could survive either).
     """
     parts = [system.grad, system.col_sq]
-    if all(t.device.type == "cpu" and t.dtype == torch.float64 for t in parts):
-        # Host tensors (every fit of a few parameters): NumPy reads them in place.
+    if all(t.is_cpu and t.dtype == torch.float64 for t in parts):
+        # Host tensors (every fit of a few parameters).  The engine reads the system's
+        # scalars next (finite loss, Jᵀr and column norms, kept once read): read them
+        # now, and scan the vectors here only when the loss alone may be what is not.
+        finite, loss, _ = system.scalars()
+        if finite:
+            return True
+        if math.isfinite(loss):
+            return False
         return bool(np.isfinite(parts[0].numpy()).all() and np.isfinite(parts[1].numpy()).all())
     return bool(torch.isfinite(parts[0]).all() & torch.isfinite(parts[1]).all())  # one read
 
@@ -131,7 +138,7 @@ class FunctionProblem:
     def loss_sum(self, y: Tensor) -> Tensor | float:
         """``2·cost`` at ``y``, or ``inf`` where a residual is not finite (a rejected step)."""
         f = self.residuals(y)
-        if self.loss == "linear" and f.device.type == "cpu" and f.dtype == torch.float64:
+        if self.loss == "linear" and f.is_cpu and f.dtype == torch.float64:
             # The common fit: ‖f‖² read in NumPy, no torch call or separate host read.
             # vdot raises no floating-point warning: an overflow is inf, as on the
             # device, and a non-finite residual makes the sum inf or NaN.
@@ -177,7 +184,8 @@ class FunctionProblem:
             and J.ndim == 2
             and J.shape[1] <= HOST_MAX_N
             and J.dtype == f.dtype == torch.float64
-            and J.device.type == f.device.type == "cpu"
+            and J.is_cpu
+            and f.is_cpu
         )
 
     def _host_system(self, J: Tensor, f: Tensor) -> NormalEquations:
@@ -189,11 +197,11 @@ class FunctionProblem:
         self.row_scale = None
         self.extra_rows = 0
         j, r = J.numpy(), f.numpy()
-        # vdot and einsum raise no floating-point warning (an overflow is inf, as in
-        # torch; the caller checks finiteness); Jᵀr's product would, so it gets a guard.
+        # vdot raises no floating-point warning (an overflow is inf, as in torch; the
+        # caller checks finiteness); the products would, so they get a guard.
         loss = np.asarray(np.vdot(r, r))
-        col_sq = np.einsum("ij,ij->j", j, j)
         with np.errstate(all="ignore"):
+            col_sq = np.add.reduce(j * j, axis=0)
             grad = j.T.dot(r)
             gram = j.T.dot(j) if self.need_gram else None
         return NormalEquations(

@@ -508,6 +508,9 @@ class _HostSVD(Factorization):
             self._neg_r: np.ndarray | None = None
             self._qt_neg_r = np.zeros(0)
             self.q0: np.ndarray | None = None
+            #: ``-r`` as a tensor (a view of the factored copy), for the engine's ``w``:
+            #: that very tensor is recognised without comparing its entries.
+            self.w: Tensor | None = None
             if residuals is not None and m >= n:
                 both = np.empty((m, n + 1), order="F")
                 both[:, :n] = j
@@ -523,6 +526,7 @@ class _HostSVD(Factorization):
                     top = np.linalg.qr(both, mode="raw")[0].T[:n]
                     self.r0 = top[:, :n] * _upper(n)
                     self._neg_r, self._qt_neg_r = both[:, n], top[:, n]
+                    self.w = torch.from_numpy(self._neg_r)
                 elif m >= n:
                     self.q0, self.r0 = np.linalg.qr(j)
                 else:
@@ -542,14 +546,17 @@ class _HostSVD(Factorization):
         self._qw = np.zeros(0)
         self._safe = False
 
-    def _project(self, w: np.ndarray) -> np.ndarray:
+    def _project(self, w: Tensor) -> np.ndarray:
         """``Q0ᵀw`` (``w`` itself when m < n)."""
+        if w is self.w:
+            return self._qt_neg_r
+        wn = w.numpy()
         if self._neg_r is not None:
-            if np.array_equal(w, self._neg_r):
+            if np.array_equal(wn, self._neg_r):
                 return self._qt_neg_r
             if self.q0 is None:
                 self.q0 = np.linalg.qr(self._j)[0]
-        return w if self.q0 is None else self.q0.T @ w
+        return wn if self.q0 is None else self.q0.T @ wn
 
     def _coefficients(self, w: Tensor) -> np.ndarray:
         # The LM direction and the λ search share w = -r: project it once, and decide
@@ -557,7 +564,7 @@ class _HostSVD(Factorization):
         # per-λ solves skip NumPy's error-state guard when it cannot.
         if w is not self._w:
             with np.errstate(all="ignore"):
-                self._qw = self._project(w.numpy())
+                self._qw = self._project(w)
                 self._c = self.u.T @ self._qw
                 self._sc = self.s * self._c
                 smallest = float(self.s[-1]) if self.s.size else 0.0

@@ -118,9 +118,13 @@ def _numpy_residuals(
     def call(x: np.ndarray) -> np.ndarray:
         counter.calls += 1
         arr = np.asarray(fun(x, *args, **kwargs))
-        if arr.dtype.kind != "f":  # np.issubdtype(.., np.floating), without its cost
-            raise TypeError(f"fun must return real floating-point residuals, got dtype {arr.dtype}")
-        return arr.astype(np.float64, copy=False).reshape(-1)
+        if arr.dtype != np.float64:
+            if arr.dtype.kind != "f":  # np.issubdtype(.., np.floating), without its cost
+                raise TypeError(
+                    f"fun must return real floating-point residuals, got dtype {arr.dtype}"
+                )
+            arr = arr.astype(np.float64)
+        return arr if arr.ndim == 1 else arr.reshape(-1)
 
     return call
 
@@ -429,7 +433,7 @@ def _numpy_difference(
     pattern = None if sparsity is None else sparsity.numpy()
 
     def jac(x: Tensor, f0: Tensor | None = None) -> Tensor:
-        xn = x.detach().numpy()
+        xn = (x.detach() if x.requires_grad else x).numpy()
         n = xn.size
         if minpack:
             s = default if rel is None else np.maximum(rel, default)

@@ -130,7 +130,9 @@ class FunctionProblem:
             return self.base[1]
         # Values only: a fun closing over tensors that require grad must not drag a
         # graph along (autograd is used inside the Jacobian transforms alone).
-        f = self.fun(self.bounds.to_x(y)).detach()
+        f = self.fun(self.bounds.to_x(y))
+        if f.requires_grad:
+            f = f.detach()
         self.last = (y.clone(), f)
         self._last_seen = (y, y._version)
         return f
@@ -221,8 +223,10 @@ class FunctionProblem:
         self.njev += 1
         x = self.bounds.to_x(y)
         jac: Any = self.jac
-        J = (jac(x, f) if self.takes_residuals else jac(x)).detach()
-        self.base = (y.clone(), f.detach(), J)
+        J = jac(x, f) if self.takes_residuals else jac(x)
+        if J.requires_grad:
+            J = J.detach()
+        self.base = (y.clone(), f.detach() if f.requires_grad else f, J)
         return J
 
     def _robust_rows(self, f: Tensor, J: Tensor) -> tuple[Tensor, Tensor]:

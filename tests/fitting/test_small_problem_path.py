@@ -230,3 +230,72 @@ def test_least_squares_on_the_host_path_matches_scipy() -> None:
     ref = scipy_optimize.least_squares(fun, x0, method="lm", ftol=1e-12, xtol=1e-12, gtol=1e-12)
     np.testing.assert_allclose(ours.x, ref.x, rtol=1e-7)
     assert ours.cost == pytest.approx(ref.cost, rel=1e-10)
+
+
+@pytest.mark.parametrize("which", ["held", "equal copy", "other"])
+def test_host_factorisation_of_j_and_minus_r_solves_for_any_w(which: str) -> None:
+    """The QR of [J, -r] gives Q0ᵀ(-r) without Q0; any other w forms Q0 (the torch QR's steps)."""
+    g = torch.Generator().manual_seed(11)
+    J = torch.randn(30, 4, generator=g, dtype=F64) * torch.logspace(-3, 3, 4, dtype=F64)
+    r = torch.randn(30, generator=g, dtype=F64)
+    d = (J * J).sum(0)
+    system = _system(J, r)
+    host = QRSolver(host=True).factor(system, d)
+    device = QRSolver().factor(system, d)
+    held = getattr(host, "w", None)
+    assert isinstance(held, torch.Tensor) and torch.equal(held, -r)
+    w = {"held": held, "equal copy": -r, "other": torch.randn(30, generator=g, dtype=F64)}[which]
+    for lam in (0.0, 1e-4, 10.0):
+        ref = device.solve(lam, J.T @ w, w)
+        out = host.solve_scaled(lam, w)
+        assert ref is not None and out is not None
+        torch.testing.assert_close(out[0], ref, rtol=1e-9, atol=1e-12 * float(ref.abs().max()))
+        norm = host.scaled_norm(lam, w)
+        assert norm == pytest.approx(float(torch.linalg.vector_norm(d.sqrt() * ref)), rel=1e-8)
+
+
+def test_host_normal_equations_equal_torch_products() -> None:
+    from secondorder.fitting.bounds import BoxTransform, parse_bounds
+    from secondorder.fitting.problem import FunctionProblem
+
+    g = torch.Generator().manual_seed(3)
+    J = torch.randn(25, 5, generator=g, dtype=F64)
+    f = torch.randn(25, generator=g, dtype=F64)
+    y = torch.zeros(5, dtype=F64)
+
+    def jac(x: torch.Tensor, f0: torch.Tensor | None = None) -> torch.Tensor:
+        return J
+
+    problem = FunctionProblem(
+        lambda x: f,
+        jac,
+        BoxTransform(*parse_bounds(None, 5)),
+        "linear",
+        1.0,
+        need_gram=True,
+        differentiable=False,
+        takes_residuals=True,
+    )
+    system = problem.linearize(y, f)
+    torch.testing.assert_close(system.grad, J.T @ f, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(system.col_sq, (J * J).sum(0), rtol=1e-14, atol=0.0)
+    assert system.gram is not None
+    torch.testing.assert_close(system.gram, J.T @ J, rtol=1e-14, atol=1e-14)
+    assert float(system.loss_sum) == pytest.approx(float(f @ f), rel=1e-14)
+    assert system.jac is J and system.residuals is f
+
+
+def test_finite_system_check_reads_j_through_its_column_norms() -> None:
+    from secondorder.fitting.problem import is_finite_system
+
+    J, r = torch.ones(6, 2, dtype=F64), torch.ones(6, dtype=F64)
+    assert is_finite_system(_system(J, r))
+    bad = J.clone()
+    bad[2, 1] = math.nan
+    assert not is_finite_system(_system(bad, r))
+    # Residuals whose squares overflow: the loss is inf, but J, Jᵀr and the norms are
+    # finite numbers, so a linear model exists (as before the check shared the read).
+    huge = torch.full((6,), 1e155, dtype=F64)
+    system = _system(J, huge)
+    assert not math.isfinite(float(system.loss_sum))
+    assert is_finite_system(system)

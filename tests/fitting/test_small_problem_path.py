@@ -179,7 +179,8 @@ def test_numpy_residuals_with_minpack_differences_reach_six_digits(name: str, st
     """NIST's certified values from NumPy residuals by forward differences (method="lm").
 
     With the step √eps·max(1, |x|) these starts ended at 2-5 digits (Hahn1's b₅..b₇ are
-    1e-4..1e-7); with MINPACK's relative step at 6 or more, as scipy's lm.
+    1e-4..1e-7); with MINPACK's relative step, taken exactly (``h = (x + h) - x``), at
+    7 or more.  (scipy's lm, the same step not taken exactly, ends at 2.2 and 5.0.)
     """
     from benchmarks.nist_data import PROBLEMS
     from benchmarks.nist_evals import lre

@@ -9,10 +9,17 @@ log relative error of its parameters against the certified values (NIST's "LRE",
 ``-log10 max|b - b*|/|b*|``, capped at 11: the certified values' own precision); a
 solver *passes* a start at LRE ≥ 6.
 
+With ``--fd`` both sides get NumPy residuals and no Jacobian instead: forward
+differences (MINPACK's ``lmdif`` in scipy's ``lm``, ours with its ``"2-point"``
+scheme, MINPACK's step under ``method="lm"``), as in ``benchmarks.nist_time``'s setting
+(b); ours then runs ``method="lm"``, and its ``nfev`` counts the difference columns,
+which scipy's ``lm`` does not (its trf column is left out).
+
 Not a timed benchmark: evaluations and digits only.  Run it with::
 
     PYTHONPATH=$PWD python -m benchmarks.nist_evals [--max-nfev 20000] [--names MGH10 BoxBOD]
     PYTHONPATH=$PWD python -m benchmarks.nist_evals --damping-rule nielsen --damping-matrix more
+    PYTHONPATH=$PWD python -m benchmarks.nist_evals --fd
 """
 
 from __future__ import annotations
@@ -57,14 +64,23 @@ def lre(b: Sequence[float], certified: Sequence[float]) -> float:
     return 11.0 if worst == 0 else max(0.0, min(11.0, -math.log10(worst)))
 
 
-def run_secondorder(p: NistProblem, start: int, max_nfev: int, **options: Any) -> Run:
-    """``secondorder.least_squares`` from start ``start`` (1 or 2)."""
-    x0 = torch.tensor(p.starts[start - 1], dtype=torch.float64)
-    res = so.least_squares(
-        p.torch_residuals(), x0, ftol=TOL, xtol=TOL, gtol=TOL, max_nfev=max_nfev, **options
-    )
+def run_secondorder(
+    p: NistProblem, start: int, max_nfev: int, fd: bool = False, **options: Any
+) -> Run:
+    """``secondorder.least_squares`` from start ``start`` (1 or 2).
+
+    ``fd``: NumPy residuals and finite differences (``method="lm"``), not autograd.
+    """
+    if fd:
+        fun: Any = p.numpy_residuals()
+        x0: Any = np.array(p.starts[start - 1], dtype=np.float64)
+        options = {"method": "lm", **options}
+    else:
+        fun, x0 = p.torch_residuals(), torch.tensor(p.starts[start - 1], dtype=torch.float64)
+    with np.errstate(all="ignore"):  # a NumPy fun overflowing at a rejected trial point
+        res = so.least_squares(fun, x0, ftol=TOL, xtol=TOL, gtol=TOL, max_nfev=max_nfev, **options)
     b = res.x.tolist()
-    return Run(res.nfev, res.njev, lre(b, p.certified), 2.0 * res.cost)
+    return Run(res.nfev, res.njev or 0, lre(b, p.certified), 2.0 * res.cost)
 
 
 def _exact_jacobian(p: NistProblem) -> Callable[[np.ndarray], np.ndarray]:
@@ -76,8 +92,8 @@ def _exact_jacobian(p: NistProblem) -> Callable[[np.ndarray], np.ndarray]:
     return jac
 
 
-def run_scipy(p: NistProblem, start: int, method: str, max_nfev: int) -> Run:
-    """scipy's ``least_squares(method=method)`` with the exact Jacobian."""
+def run_scipy(p: NistProblem, start: int, method: str, max_nfev: int, fd: bool = False) -> Run:
+    """scipy's ``least_squares(method=method)`` with the exact Jacobian (``fd``: none)."""
     x0 = np.array(p.starts[start - 1], dtype=np.float64)
     # trf: tolerances below machine epsilon are refused; lm takes them as they are.
     tol = TOL if method == "lm" else float(np.finfo(np.float64).eps)
@@ -86,7 +102,7 @@ def run_scipy(p: NistProblem, start: int, method: str, max_nfev: int) -> Run:
         res = scipy.optimize.least_squares(
             p.numpy_residuals(),
             x0,
-            jac=_exact_jacobian(p),
+            jac="2-point" if fd else _exact_jacobian(p),
             method=method,
             ftol=tol,
             xtol=tol,
@@ -109,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--damping-rule", default=None)
     parser.add_argument("--damping-matrix", default=None)
     parser.add_argument("--no-scipy", action="store_true")
+    parser.add_argument("--fd", action="store_true", help="NumPy residuals, finite differences")
     args = parser.parse_args(argv)
     options = {}
     if args.damping_rule:
@@ -117,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         options["damping_matrix"] = args.damping_matrix
     head = f"{'problem':<10} st | {'ours':>12} |"
     if not args.no_scipy:
-        head += f" {'scipy lm':>12} | {'scipy trf':>12} |"
+        head += f" {'scipy lm':>12} |" + ("" if args.fd else f" {'scipy trf':>12} |")
     print(f"{head}   (each cell: nfev, LRE digits)")
     passed = {"ours": 0, "lm": 0, "trf": 0}
     total = {"ours": 0, "lm": 0, "trf": 0}
@@ -126,13 +143,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         p = PROBLEMS[name]
         for start in (1, 2):
             starts += 1
-            ours = run_secondorder(p, start, args.max_nfev, **options)
+            ours = run_secondorder(p, start, args.max_nfev, args.fd, **options)
             runs = {"ours": ours}
             line = f"{name:<10} {start:>2} | {_cell(ours)} |"
             if not args.no_scipy:
-                runs["lm"] = run_scipy(p, start, "lm", args.max_nfev)
-                runs["trf"] = run_scipy(p, start, "trf", args.max_nfev)
-                line += f" {_cell(runs['lm'])} | {_cell(runs['trf'])} |"
+                runs["lm"] = run_scipy(p, start, "lm", args.max_nfev, args.fd)
+                line += f" {_cell(runs['lm'])} |"
+                if not args.fd:
+                    runs["trf"] = run_scipy(p, start, "trf", args.max_nfev)
+                    line += f" {_cell(runs['trf'])} |"
             for key, r in runs.items():
                 passed[key] += r.lre >= 6
                 total[key] += r.nfev

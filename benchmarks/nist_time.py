@@ -11,10 +11,14 @@ two settings:
   what each does around it.  Scipy's time inside that callable is printed too.
   ``--jac fwd`` is the setting issue 17 first measured (``jacfwd`` on both sides).
 * **(b) finite differences.**  NumPy residuals, no ``jac``: scipy's MINPACK (``lmdif``)
-  differences in Fortran, ours with its ``"2-point"`` scheme.
+  differences in Fortran, ours with its ``"2-point"`` scheme (MINPACK's step under
+  ``method="lm"``).
 
-Every start is timed ``--rounds`` times; within a round the two solvers alternate which
-goes first, so a burst of load on a shared machine hits both alike.  The totals are the
+Every start is timed ``--rounds`` times; within a round the solvers take turns at going
+first, so a burst of load on a shared machine hits all alike.  ``--base DIR`` adds an
+older copy of the package, ``DIR/secondorder_base`` (``git archive <commit> secondorder
+| tar -x -C DIR``, then renamed), timed in the same rounds: before and after side by
+side, each against scipy in the same process.  The totals are the
 sums over starts of each start's minimum (the least disturbed run) and of its median;
 the ratio is ours over scipy.  Digits are NIST's log relative error (LRE) of the
 parameters against the certified values (capped at 11); a start *passes* at LRE ≥ 6.
@@ -22,12 +26,14 @@ Run with::
 
     PYTHONPATH=$PWD python -m benchmarks.nist_time [--quick] [--rounds 5] [--threads 1]
         [--names Misra1a MGH10] [--table] [--jac auto|fwd|rev] [--settings exact fd]
+        [--base DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import platform
 import statistics
@@ -36,6 +42,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -82,17 +89,23 @@ def _torch_jacobian(p: NistProblem, jac: str) -> Callable[[np.ndarray], np.ndarr
 
 
 def run_once(
-    p: NistProblem, start: int, setting: str, side: str, jac: str = "auto"
+    p: NistProblem,
+    start: int,
+    setting: str,
+    side: str,
+    jac: str = "auto",
+    package: ModuleType | None = None,
 ) -> tuple[float, float, int, float]:
     """One timed fit: ``(seconds, lre, nfev, seconds inside scipy's jac)``.
 
     ``jac``: the torch transform both sides use in setting (a): ``"auto"``, ``"fwd"``
-    or ``"rev"``.
+    or ``"rev"``.  ``side``: ``"scipy"``, or ``"ours"`` run by ``package`` (default
+    this ``secondorder``; ``--base`` passes the older copy).
     """
     x0 = p.starts[start - 1]
     tight = {"ftol": TOL, "xtol": TOL, "gtol": TOL, "max_nfev": MAX_NFEV, "method": "lm"}
     jac_time = [0.0]
-    if side == "ours":
+    if side != "scipy":
         if setting == "exact":
             fun: Any = p.torch_residuals()
             start_point: Any = torch.tensor(x0, dtype=torch.float64)
@@ -101,7 +114,7 @@ def run_once(
             fun, start_point = p.numpy_residuals(), np.array(x0, dtype=np.float64)
         with np.errstate(all="ignore"):  # a NumPy fun overflowing at a rejected trial point
             t0 = time.perf_counter()
-            res = so.least_squares(fun, start_point, **tight)
+            res = (package or so).least_squares(fun, start_point, **tight)
             seconds = time.perf_counter() - t0
         x = res.x.tolist()
     else:
@@ -156,7 +169,13 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
     parser.add_argument(
         "--jac", default="auto", choices=("auto", "fwd", "rev"), help="(a)'s transform, both sides"
     )
+    parser.add_argument("--base", default=None, help="folder holding secondorder_base")
     args = parser.parse_args(argv)
+    packages: dict[str, ModuleType] = {"ours": so}
+    if args.base:
+        sys.path.insert(0, args.base)
+        packages["base"] = importlib.import_module("secondorder_base")
+    sides = (*SIDES, "base") if args.base else SIDES
     names = args.names or (list(QUICK) if args.quick else list(NAMES))
     rounds = args.rounds or (3 if args.quick else 5)
     torch.set_num_threads(args.threads)
@@ -176,26 +195,32 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
     timings = {
         (setting, side): {key: Timing() for key in starts}
         for setting in args.settings
-        for side in SIDES
+        for side in sides
     }
     # Warm-up: the first torch.func transform and scipy call in a process cost seconds.
     for setting in args.settings:
-        for side in SIDES:
-            run_once(PROBLEMS[starts[0][0]], starts[0][1], setting, side, args.jac)
+        for side in sides:
+            run_once(
+                PROBLEMS[starts[0][0]], starts[0][1], setting, side, args.jac, packages.get(side)
+            )
     for r in range(rounds):
         for i, (name, s) in enumerate(starts):
             for setting in args.settings:
-                order = SIDES if (r + i) % 2 == 0 else SIDES[::-1]
-                for side in order:
-                    sec, digits, nfev, jac_s = run_once(PROBLEMS[name], s, setting, side, args.jac)
+                turn = (r + i) % len(sides)
+                for side in sides[turn:] + sides[:turn]:
+                    sec, digits, nfev, jac_s = run_once(
+                        PROBLEMS[name], s, setting, side, args.jac, packages.get(side)
+                    )
                     t = timings[setting, side][name, s]
                     t.seconds.append(sec)
                     t.jac_seconds.append(jac_s)
                     t.lre, t.nfev = digits, nfev
     print(f"load average at end: {_load()}")
     if args.table:
-        _print_table(timings, starts, args.settings)
+        _print_table(timings, starts, args.settings, sides)
     _print_summary(timings, starts, args.settings)
+    if args.base:
+        _print_base(timings, starts, args.settings)
     return timings
 
 
@@ -203,16 +228,17 @@ def _print_table(
     timings: dict[tuple[str, str], dict[tuple[str, int], Timing]],
     starts: list[tuple[str, int]],
     settings: Sequence[str],
+    sides: Sequence[str] = SIDES,
 ) -> None:
     head = f"{'problem':<10} st"
     for setting in settings:
-        head += f" | {setting}: ours ms (nfev, LRE)  scipy ms (nfev, LRE)"
+        head += f" | {setting}: " + "  ".join(f"{side} ms (nfev, LRE)" for side in sides)
     print(head)
     for key in starts:
         line = f"{key[0]:<10} {key[1]:>2}"
         for setting in settings:
             line += " |"
-            for side in SIDES:
+            for side in sides:
                 t = timings[setting, side][key]
                 line += f" {1e3 * min(t.seconds):8.2f} ({t.nfev:>5d}, {t.lre:4.1f})"
         print(line)
@@ -270,6 +296,35 @@ def _print_summary(
         note = " (ours counts finite-difference calls, scipy's lm does not)"
         print(
             f"{setting}: nfev ours {nfev['ours']}, scipy {nfev['scipy']}{note * (setting == 'fd')}"
+        )
+
+
+def _print_base(
+    timings: dict[tuple[str, str], dict[tuple[str, int], Timing]],
+    starts: list[tuple[str, int]],
+    settings: Sequence[str],
+) -> None:
+    """``--base``: the older package against this one and scipy, from the same rounds."""
+    print()
+    print(
+        "| setting | base s (min / median) | ours s (min / median) | base/ours (min / median)"
+        " | base/scipy (min / median) | starts >= 6 digits (base) |"
+    )
+    print("|---|---:|---:|---:|---:|---|")
+    for setting in settings:
+        tot = {
+            side: (
+                sum(min(timings[setting, side][k].seconds) for k in starts),
+                sum(statistics.median(timings[setting, side][k].seconds) for k in starts),
+            )
+            for side in ("base", "ours", "scipy")
+        }
+        b, o, sc = tot["base"], tot["ours"], tot["scipy"]
+        passed = sum(timings[setting, "base"][k].lre >= 6 for k in starts)
+        print(
+            f"| {setting} | {b[0]:.3f} / {b[1]:.3f} | {o[0]:.3f} / {o[1]:.3f} | "
+            f"{b[0] / o[0]:.2f} / {b[1] / o[1]:.2f} | {b[0] / sc[0]:.2f} / {b[1] / sc[1]:.2f} | "
+            f"{passed} of {len(starts)} |"
         )
 
 

@@ -144,7 +144,9 @@ def least_squares(
         f_scale: soft margin between inlier and outlier residuals.
         diff_step: relative finite-difference step: ``h = diff_step·sign(x)·max(1,
             |x|)`` (default ``√eps`` for "2-point" and "cs", ``eps^⅓`` for
-            "3-point", with ``eps`` the precision ``fun`` computes in).
+            "3-point", with ``eps`` the precision ``fun`` computes in).  With
+            ``method="lm"`` "2-point" takes MINPACK's step, as scipy's "lm" does:
+            ``h = max(diff_step, √eps)·|x|`` (that factor itself where ``x = 0``).
         tr_solver: ``"exact"`` (a dense factorisation of the damped system, the
             ``solver`` "qr" by default) or ``"lsmr"`` (an iterative solve: the
             matrix-free conjugate-gradient ``solver="cg"``); ``None`` picks
@@ -536,6 +538,8 @@ def _build_problem(
         rel_step=rel_step,
         sparsity=sparsity,
         dense_only=opts.method == "lm",
+        # scipy's "lm" differences in MINPACK (fdjac2), with MINPACK's relative step.
+        minpack=opts.method == "lm",
     )
     problem = FunctionProblem(
         residuals,

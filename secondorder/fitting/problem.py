@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..lm.linalg import NormalEquations
+from ..lm.linalg import HOST_MAX_N, NormalEquations
 from .bounds import BoxTransform
 from .functions import CallCounter, JacobianFn
 from .losses import Loss, doubled_cost, rho
@@ -30,15 +30,24 @@ __all__ = ["FunctionProblem", "is_finite_system"]
 
 
 def is_finite_system(system: NormalEquations) -> bool:
-    """Whether the linearisation holds finite numbers only (J, Jᵀr, column norms)."""
-    parts = [system.grad, system.col_sq] + ([system.jac] if system.jac is not None else [])
-    if all(t.device.type == "cpu" and t.dtype == torch.float64 for t in parts):
-        # Host tensors (every fit of a few parameters): NumPy reads them in place.
-        return all(bool(np.isfinite(t.numpy()).all()) for t in parts)
-    finite = torch.isfinite(parts[0]).all()
-    for t in parts[1:]:
-        finite = finite & torch.isfinite(t).all()
-    return bool(finite)  # one host read
+    """Whether the linearisation holds finite numbers only (J, Jᵀr, column norms).
+
+    J itself is not scanned: ``col_sq`` holds the squared column norms of the rows the
+    solver sees, finite exactly when every entry of J is (or its squares overflow, which
+    no step could survive either).
+    """
+    parts = [system.grad, system.col_sq]
+    if all(t.is_cpu and t.dtype == torch.float64 for t in parts):
+        # Host tensors (every fit of a few parameters).  The engine reads the system's
+        # scalars next (finite loss, Jᵀr and column norms, kept once read): read them
+        # now, and scan the vectors here only when the loss alone may be what is not.
+        finite, loss, _ = system.scalars()
+        if finite:
+            return True
+        if math.isfinite(loss):
+            return False
+        return bool(np.isfinite(parts[0].numpy()).all() and np.isfinite(parts[1].numpy()).all())
+    return bool(torch.isfinite(parts[0]).all() & torch.isfinite(parts[1]).all())  # one read
 
 
 class FunctionProblem:
@@ -121,7 +130,9 @@ class FunctionProblem:
             return self.base[1]
         # Values only: a fun closing over tensors that require grad must not drag a
         # graph along (autograd is used inside the Jacobian transforms alone).
-        f = self.fun(self.bounds.to_x(y)).detach()
+        f = self.fun(self.bounds.to_x(y))
+        if f.requires_grad:
+            f = f.detach()
         self.last = (y.clone(), f)
         self._last_seen = (y, y._version)
         return f
@@ -129,16 +140,13 @@ class FunctionProblem:
     def loss_sum(self, y: Tensor) -> Tensor | float:
         """``2·cost`` at ``y``, or ``inf`` where a residual is not finite (a rejected step)."""
         f = self.residuals(y)
-        if self.loss == "linear" and f.device.type == "cpu" and f.dtype == torch.float64:
+        if self.loss == "linear" and f.is_cpu and f.dtype == torch.float64:
             # The common fit: ‖f‖² read in NumPy, no torch call or separate host read.
+            # vdot raises no floating-point warning: an overflow is inf, as on the
+            # device, and a non-finite residual makes the sum inf or NaN.
             a = f.numpy()
-            top = float(np.abs(a).max()) if a.size else 0.0
-            if not math.isfinite(top):
-                return math.inf
-            if top * top * a.size < 1e300:
-                return float(a @ a)
-            with np.errstate(over="ignore"):  # as on the device: an overflow is inf
-                return float(a @ a)
+            total = float(np.vdot(a, a))
+            return total if math.isfinite(total) else math.inf
         return self.cost2(f) if bool(torch.isfinite(f).all()) else torch.tensor(math.inf)
 
     def linearize(self, y: Tensor, f: Tensor) -> NormalEquations:
@@ -151,6 +159,8 @@ class FunctionProblem:
         with residual 0, which adds it to ``diag(JᵀJ)`` and leaves ``Jᵀr`` unchanged.
         """
         J = self.jacobian(y, f)
+        if self._plain_host(J, f):
+            return self._host_system(J, f)
         r, Js = self._robust_rows(f, J)
         scale_sq = None if self.row_scale is None else (J * J).sum(0)
         self.extra_rows = 0
@@ -167,6 +177,45 @@ class FunctionProblem:
             scale_sq=scale_sq,
         )
 
+    def _plain_host(self, J: Tensor, f: Tensor) -> bool:
+        """A few float64 CPU columns, the linear loss, no bounds: NumPy forms the system."""
+        return (
+            not self.bounds.any
+            and isinstance(self.loss, str)
+            and self.loss == "linear"
+            and J.ndim == 2
+            and J.shape[1] <= HOST_MAX_N
+            and J.dtype == f.dtype == torch.float64
+            and J.is_cpu
+            and f.is_cpu
+        )
+
+    def _host_system(self, J: Tensor, f: Tensor) -> NormalEquations:
+        """:meth:`linearize`'s system in NumPy: the same products, no torch call per vector.
+
+        For a few parameters each torch operation costs more in dispatch than its
+        arithmetic; these views share memory with the tensors the engine receives.
+        """
+        self.row_scale = None
+        self.extra_rows = 0
+        j, r = J.numpy(), f.numpy()
+        # vdot raises no floating-point warning (an overflow is inf, as in torch; the
+        # caller checks finiteness); the products would, so they get a guard.
+        loss = np.asarray(np.vdot(r, r))
+        with np.errstate(all="ignore"):
+            col_sq = np.add.reduce(j * j, axis=0)
+            grad = j.T.dot(r)
+            gram = j.T.dot(j) if self.need_gram else None
+        return NormalEquations(
+            loss_sum=torch.from_numpy(loss),
+            count=r.size,
+            grad=torch.from_numpy(grad),
+            col_sq=torch.from_numpy(col_sq),
+            gram=None if gram is None else torch.from_numpy(gram),
+            jac=J,
+            residuals=f,
+        )
+
     def jacobian(self, y: Tensor, f: Tensor) -> Tensor:
         """The raw ``J(x(y))`` (in ``x``), with ``f = f(x(y))``; the base's is free."""
         if self.base is not None and torch.equal(self.base[0], y):
@@ -174,8 +223,10 @@ class FunctionProblem:
         self.njev += 1
         x = self.bounds.to_x(y)
         jac: Any = self.jac
-        J = (jac(x, f) if self.takes_residuals else jac(x)).detach()
-        self.base = (y.clone(), f.detach(), J)
+        J = jac(x, f) if self.takes_residuals else jac(x)
+        if J.requires_grad:
+            J = J.detach()
+        self.base = (y.clone(), f.detach() if f.requires_grad else f, J)
         return J
 
     def _robust_rows(self, f: Tensor, J: Tensor) -> tuple[Tensor, Tensor]:

@@ -411,21 +411,25 @@ class DampingMatrix:
         if state.damping <= damping_min:
             if d.size == 0:
                 return np.ones_like(d)
-            tiny = float(np.finfo(np.float64).tiny)
+            tiny = _TINY64
             usable = np.isfinite(d) & (d >= tiny)
             largest = float(np.where(usable, d, 0.0).max())
             fill = max(largest * self.floor, tiny)
             return np.where(usable, d, fill) if largest > 0.0 else np.ones_like(d)
         top = float(d.max())
-        floor = max(top * self.floor, float(np.finfo(np.float64).tiny) ** 0.5)
+        floor = max(top * self.floor, _TINY64**0.5)
         if not (math.isfinite(top) and top > 0.0):
             return np.ones_like(d)
         return np.maximum(d, floor)
 
 
+#: The smallest normal float64 (``np.finfo`` is a call per use).
+_TINY64 = float(np.finfo(np.float64).tiny)
+
+
 def _small_host(t: Tensor) -> bool:
     """A few float64 entries on the CPU: NumPy does their arithmetic without dispatch."""
-    return t.device.type == "cpu" and t.dtype == torch.float64 and t.numel() <= 16
+    return t.dtype == torch.float64 and t.numel() <= 16 and t.is_cpu
 
 
 class IdentityMatrix(DampingMatrix):
@@ -470,7 +474,10 @@ class MoreMatrix(DampingMatrix):
         if state.scale is None or state.scale.shape != col_sq.shape:
             state.scale = col_sq.clone()
         elif _small_host(col_sq) and _small_host(state.scale):
-            state.scale = torch.from_numpy(np.maximum(state.scale.numpy(), col_sq.numpy()))
+            # The running maximum and its floor in NumPy, crossing to torch once each way.
+            scale = np.maximum(state.scale.numpy(), col_sq.numpy())
+            state.scale = torch.from_numpy(scale)
+            return torch.from_numpy(self._floored_host(scale, state, damping_min))
         else:
             state.scale = torch.maximum(state.scale.to(col_sq), col_sq)
         return self._floored(state.scale, state, damping_min)

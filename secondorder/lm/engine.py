@@ -299,7 +299,7 @@ def iterate(
         lr=lr,
         loss0=loss0,
         xnorm0=None if fact.on_host else torch.linalg.vector_norm(x, dtype=torch.float64),
-        w=None if system.residuals is None else -system.residuals,
+        w=_residual_w(system, fact),
         host=_HostView.of(x, system, d) if fact.on_host else None,
     )
     allowed = config.max_attempts if max_attempts is None else max_attempts
@@ -314,6 +314,16 @@ def iterate(
             why = f"damping reached its maximum {config.damping_max:.3g}; last attempt: "
             return loop.stopped(attempt, 0, why + loop.reason)
     return loop.stopped(attempt, 0, f"{allowed} attempts exhausted; last: {loop.reason}")
+
+
+def _residual_w(system: NormalEquations, fact: Factorization) -> Tensor | None:
+    """``-r`` for the solvers that need it; a host factorisation that holds it gives it."""
+    if system.residuals is None:
+        return None
+    # A host factorisation of [J, -r] (linalg._HostSVD) recognises its own -r by
+    # identity; a fresh negation would cost it a comparison of every entry.
+    held = getattr(fact, "w", None)
+    return held if isinstance(held, Tensor) else -system.residuals
 
 
 def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
@@ -364,67 +374,51 @@ def _measure(loop: _Loop, delta: Tensor, x_try: Tensor) -> list[float]:
 
 @dataclass(frozen=True)
 class _HostView:
-    """The iteration's vectors as NumPy views, for a factorisation that lives on the host.
-
-    ``big`` bounds every entry of ``x``, ``grad``, ``jac`` and ``sqrt_d`` (inf when one is
-    not finite): with ``max|δ| ≤ 1`` and ``big·(m + n)`` far below the overflow
-    threshold no product or sum of squares below can overflow, so the attempts skip
-    NumPy's error-state guard (a context switch costs more than the arithmetic here).
-    """
+    """The iteration's vectors as NumPy views, for a factorisation that lives on the host."""
 
     x: np.ndarray
     grad: np.ndarray
     jac: np.ndarray | None
     sqrt_d: np.ndarray
-    big: float
 
     @classmethod
     def of(cls, x: Tensor, system: NormalEquations, d: Tensor) -> _HostView:
         """Views of ``x``, ``Jᵀr``, J and ``D^½`` (CPU float64 tensors)."""
+        jac = None if system.jac is None else system.jac.numpy()
         with np.errstate(all="ignore"):
-            parts = [x.numpy(), system.grad.numpy(), np.sqrt(d.numpy())]
-            jac = None if system.jac is None else system.jac.numpy()
-            big = max(
-                float(np.abs(t).max()) if t.size else 0.0 for t in [*parts, jac] if t is not None
-            )
-        return cls(parts[0], parts[1], jac, parts[2], big if math.isfinite(big) else math.inf)
+            return cls(x.numpy(), system.grad.numpy(), jac, np.sqrt(d.numpy()))
 
 
 def _measure_on_host(loop: _Loop, view: _HostView, delta: np.ndarray) -> list[float]:
     """:func:`_measure` in NumPy (a few columns on the host), without a torch call.
 
     The same quantities in float64: the predicted reduction along ``δ/s`` with ``s``
-    the power of two below ``max|δ|``, as on the device.
+    the power of two below ``max|δ|``, as on the device.  Overflow gives inf, as on the
+    device (one error-state guard costs less than bounding the entries first).
     """
-    top = float(np.abs(delta).max()) if delta.size else 0.0
-    if not math.isfinite(top):
-        return [0.0] * 7
-    rows = 0 if view.jac is None else view.jac.shape[0]
-    if view.big * max(top, 1.0) * (rows + delta.size + 1) < 1e140:
-        return _host_values(loop, view, delta, top)
-    with np.errstate(all="ignore"):  # overflow gives inf, as on the device
-        return _host_values(loop, view, delta, top)
-
-
-def _host_values(loop: _Loop, view: _HostView, d: np.ndarray, top: float) -> list[float]:
-    slope = float(view.grad @ d)
-    scale = math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0.0 else 1.0
-    if view.jac is not None:
-        jd = view.jac @ (d / scale)
-        curvature = float(jd @ jd)
-    else:
-        curvature = float(loop.system.curvature(torch.from_numpy(d / scale)))
-    xt = view.x + d
-    values = [
-        1.0,
-        -2.0 * slope - curvature * scale * scale,
-        math.sqrt(float(d @ d)),
-        math.sqrt(float(xt @ xt)),
-        math.sqrt(float(view.x @ view.x)),
-    ]
-    if loop.rule.chooses:
-        sd = view.sqrt_d * d
-        values += [math.sqrt(float(sd @ sd)), slope]
+    with np.errstate(all="ignore"):
+        top = float(np.abs(delta).max()) if delta.size else 0.0
+        if not math.isfinite(top):
+            return [0.0] * 7
+        # ndarray.dot: the products of @, with less dispatch.
+        slope = float(view.grad.dot(delta))
+        scale = math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0.0 else 1.0
+        if view.jac is not None:
+            jd = view.jac.dot(delta / scale)
+            curvature = float(jd.dot(jd))
+        else:
+            curvature = float(loop.system.curvature(torch.from_numpy(delta / scale)))
+        xt = view.x + delta
+        values = [
+            1.0,
+            -2.0 * slope - curvature * scale * scale,
+            math.sqrt(float(delta.dot(delta))),
+            math.sqrt(float(xt.dot(xt))),
+            math.sqrt(float(view.x.dot(view.x))),
+        ]
+        if loop.rule.chooses:
+            sd = view.sqrt_d * delta
+            values += [math.sqrt(float(sd.dot(sd))), slope]
     return values
 
 
@@ -443,7 +437,7 @@ def _choose(loop: _Loop) -> float:
             assert view is not None
             with np.errstate(all="ignore"):
                 xs, gs = view.sqrt_d * view.x, view.grad / view.sqrt_d
-                loop.scaled_norms = (math.sqrt(float(xs @ xs)), math.sqrt(float(gs @ gs)))
+                loop.scaled_norms = (math.sqrt(float(xs.dot(xs))), math.sqrt(float(gs.dot(gs))))
         w = loop.w
         assert w is not None
 

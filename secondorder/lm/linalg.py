@@ -487,25 +487,52 @@ class _HostSVD(Factorization):
     λ → 0.  For n ≤ :data:`HOST_MAX_N` float64 columns on the CPU, torch's per-call
     overhead (a few µs a call, a host read per check) was the whole cost of a solve;
     here J crosses to NumPy once per iteration.
+
+    Given the residuals r, the QR is of ``[J, -r]`` (MINPACK's ``qtf``): its last
+    column is ``Q0ᵀ(-r)``, the reflectors applied to ``-r`` without forming Q0, and the
+    first n columns are J's own R0 (a Householder step never looks right of its
+    column).  The engine's ``w`` is ``-r``; any other ``w`` (geodesic acceleration)
+    forms Q0 when it first comes.
     """
 
     on_host = True
 
-    def __init__(self, jac: Tensor, d: Tensor) -> None:
+    def __init__(self, jac: Tensor, d: Tensor, residuals: Tensor | None = None) -> None:
         with np.errstate(all="ignore"):
             self.sqrt_d = np.sqrt(d.numpy())
             self.inv_sqrt_d = 1.0 / self.sqrt_d
             j = jac.numpy()
-            if not (np.isfinite(j).all() and np.isfinite(self.inv_sqrt_d).all()):
+            m, n = j.shape
+            self._j = j
+            #: ``-r`` and ``Q0ᵀ(-r)`` from the QR of ``[J, -r]`` (``None``: not given).
+            self._neg_r: np.ndarray | None = None
+            self._qt_neg_r = np.zeros(0)
+            self.q0: np.ndarray | None = None
+            #: ``-r`` as a tensor (a view of the factored copy), for the engine's ``w``:
+            #: that very tensor is recognised without comparing its entries.
+            self.w: Tensor | None = None
+            if residuals is not None and m >= n:
+                both = np.empty((m, n + 1), order="F")
+                both[:, :n] = j
+                np.negative(residuals.numpy(), out=both[:, n])
+                checked = both
+            else:
+                both, checked = None, j
+            if not np.isfinite(checked).all():
                 # LAPACK may not return on NaN or inf: a failed factorisation, λ rises.
                 raise torch.linalg.LinAlgError("J D^-1/2 is not finite")
             try:
-                if j.shape[0] >= j.shape[1]:
-                    self.q0: np.ndarray | None
+                if both is not None:
+                    top = np.linalg.qr(both, mode="raw")[0].T[:n]
+                    self.r0 = top[:, :n] * _upper(n)
+                    self._neg_r, self._qt_neg_r = both[:, n], top[:, n]
+                    self.w = torch.from_numpy(self._neg_r)
+                elif m >= n:
                     self.q0, self.r0 = np.linalg.qr(j)
                 else:
-                    self.q0, self.r0 = None, j
+                    self.r0 = j
                 a = self.r0 * self.inv_sqrt_d
+                # R0 D^-½ is finite only if D^-½ is (a zero column of R0 gives 0·inf = NaN).
                 if not np.isfinite(a).all():
                     raise torch.linalg.LinAlgError("R0 D^-1/2 is not finite")
                 self.u, self.s, self.vt = np.linalg.svd(a, full_matrices=False)
@@ -513,10 +540,23 @@ class _HostSVD(Factorization):
                 # Not converged: the engine raises λ on torch's error, as after a failed QR.
                 raise torch.linalg.LinAlgError(f"factorisation of J D^-1/2: {exc}") from exc
             self.s2 = self.s * self.s
+            self._full_rank = bool(self.s2.size and self.s2[-1] > 0.0)
         self._w: Tensor | None = None
-        self._c = np.zeros(0)
+        self._c = self._sc = np.zeros(0)
         self._qw = np.zeros(0)
         self._safe = False
+
+    def _project(self, w: Tensor) -> np.ndarray:
+        """``Q0ᵀw`` (``w`` itself when m < n)."""
+        if w is self.w:
+            return self._qt_neg_r
+        wn = w.numpy()
+        if self._neg_r is not None:
+            if np.array_equal(wn, self._neg_r):
+                return self._qt_neg_r
+            if self.q0 is None:
+                self.q0 = np.linalg.qr(self._j)[0]
+        return wn if self.q0 is None else self.q0.T @ wn
 
     def _coefficients(self, w: Tensor) -> np.ndarray:
         # The LM direction and the λ search share w = -r: project it once, and decide
@@ -524,48 +564,50 @@ class _HostSVD(Factorization):
         # per-λ solves skip NumPy's error-state guard when it cannot.
         if w is not self._w:
             with np.errstate(all="ignore"):
-                self._qw = w.numpy() if self.q0 is None else self.q0.T @ w.numpy()
+                self._qw = self._project(w)
                 self._c = self.u.T @ self._qw
+                self._sc = self.s * self._c
                 smallest = float(self.s[-1]) if self.s.size else 0.0
                 bound = float(np.abs(self._c).sum()) / smallest if smallest > 1e-150 else math.inf
                 self._safe = bool(bound * float(self.inv_sqrt_d.max(initial=0.0)) < 1e140)
             self._w = w
         return self._c
 
-    def _z(self, damping: float, c: np.ndarray) -> np.ndarray:
-        """``z = D^½δ`` in the basis of V: ``s/(s² + λ) ∘ Uᵀw``."""
-        if damping > 0.0 or self.s2[-1] > 0.0:
-            return self.s / (self.s2 + damping) * c
+    def _z(self, damping: float) -> np.ndarray:
+        """``z = D^½δ`` in V's basis: ``(s ∘ Uᵀw) / (s² + λ)`` (after :meth:`_coefficients`)."""
+        if damping > 0.0 or self._full_rank:
+            return self._sc / (self.s2 + damping)
         # λ = 0 with a zero singular value: it contributes nothing (pseudo-inverse).
         denom = self.s2 + damping
-        return np.divide(self.s, denom, out=np.zeros_like(self.s), where=denom > 0) * c
+        return np.divide(self._sc, denom, out=np.zeros_like(self.s), where=denom > 0)
 
     def scaled_norm(self, damping: float, w: Tensor) -> float | None:
         """``‖D^½δ(λ)‖`` alone (a trust region's search), or ``None`` if not finite."""
-        c = self._coefficients(w)
+        self._coefficients(w)
         if not self.s.size:
             return 0.0
         if self._safe:
-            z = self._z(damping, c)
-            norm = math.sqrt(float(z @ z))
+            z = self._z(damping)
+            norm = math.sqrt(float(z.dot(z)))
         else:
             with np.errstate(all="ignore"):
-                z = self._z(damping, c)
-                norm = math.sqrt(float(z @ z))
+                z = self._z(damping)
+                norm = math.sqrt(float(z.dot(z)))
         return norm if math.isfinite(norm) else None
 
     def solve_scaled(self, damping: float, w: Tensor) -> tuple[Tensor, float] | None:
-        c = self._coefficients(w)
+        self._coefficients(w)
         if not self.s.size:  # no parameters (or no residuals): the step is empty
             return torch.zeros(self.inv_sqrt_d.size, dtype=torch.float64), 0.0
         with np.errstate(all="ignore"):  # an overflow is a failed solve, as on the device
             delta = self._gauss_newton() if damping == 0.0 else None
             if delta is None:
-                delta = self.inv_sqrt_d * (self.vt.T @ self._z(damping, c))
+                delta = self.inv_sqrt_d * self.vt.T.dot(self._z(damping))
             scaled = self.sqrt_d * delta
+            norm = math.sqrt(float(scaled.dot(scaled)))
         if not np.isfinite(delta).all():
             return None
-        return torch.from_numpy(delta), math.sqrt(float(scaled @ scaled))
+        return torch.from_numpy(delta), norm
 
     def _gauss_newton(self) -> np.ndarray | None:
         """λ = 0: ``R0 δ = Q0ᵀw`` by back substitution; ``None`` if R0 is singular or m < n."""
@@ -583,6 +625,16 @@ class _HostSVD(Factorization):
 
 #: Columns up to which :class:`QRSolver` (with ``host=True``) solves on the host.
 HOST_MAX_N = 16
+
+_UPPER: dict[int, np.ndarray] = {}
+
+
+def _upper(n: int) -> np.ndarray:
+    """The n × n upper-triangular mask of ones (kept: ``np.triu`` costs more than R0)."""
+    mask = _UPPER.get(n)
+    if mask is None:
+        mask = _UPPER[n] = np.triu(np.ones((n, n)))
+    return mask
 
 
 class QRSolver(LinearSolver):
@@ -612,7 +664,7 @@ class QRSolver(LinearSolver):
             and jac.ndim == 2
             and jac.shape[1] <= HOST_MAX_N
         ):
-            return _HostSVD(jac, d)
+            return _HostSVD(jac, d, system.residuals)
         return _QR(jac, d, dtype)
 
 

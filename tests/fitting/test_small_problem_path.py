@@ -105,8 +105,9 @@ def _model(x: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("scheme", ["2-point", "3-point"])
 @pytest.mark.parametrize("rel_step", [None, 1e-6])
+@pytest.mark.parametrize("minpack", [False, True])
 def test_numpy_finite_differences_equal_the_torch_path_bitwise(
-    scheme: str, rel_step: float | None
+    scheme: str, rel_step: float | None, minpack: bool
 ) -> None:
     t = np.linspace(0, 3, 11)
 
@@ -118,9 +119,83 @@ def test_numpy_finite_differences_equal_the_torch_path_bitwise(
 
     x = torch.tensor([2.5, -0.3, 0.0], dtype=F64)
     step = None if rel_step is None else torch.full((3,), rel_step, dtype=F64)
-    ref = finite_difference(fun_torch, scheme, rel_step=step)(x)
-    out = finite_difference(fun_torch, scheme, rel_step=step, numpy_fun=fun_np)(x)
+    ref = finite_difference(fun_torch, scheme, rel_step=step, minpack=minpack)(x)
+    out = finite_difference(fun_torch, scheme, rel_step=step, numpy_fun=fun_np, minpack=minpack)(x)
     assert torch.equal(out, ref)
+    # The all-columns-at-once NumPy path equals the column loop it replaced: f(x + hⱼeⱼ)
+    # one column at a time, on a copy of x (the step read back from J's first column).
+    if scheme == "2-point" and rel_step is None:
+        xn, f0 = x.numpy(), fun_np(x.numpy())
+        for j in range(3):
+            h = (abs(xn[j]) or 1.0) * math.sqrt(np.finfo(float).eps) if minpack else None
+            if h is None:
+                h = math.copysign(1.0, xn[j] + 0.0) * max(1.0, abs(xn[j])) * 2.0**-26
+            up = xn.copy()
+            up[j] = xn[j] + h
+            h = up[j] - xn[j]
+            col = (fun_np(up) - f0) / h
+            assert np.array_equal(out[:, j].numpy(), col)
+
+
+def test_minpack_step_is_relative_to_each_parameter() -> None:
+    """MINPACK's step, h = √eps·|xⱼ| (√eps at 0), keeps tiny parameters' columns exact.
+
+    f(x) = x₀²·t + x₁·t² has the closed-form J = [2x₀t, t²]; at x₀ = 1e-6 the step
+    √eps·max(1, |x₀|) = 1.5e-8 is 1.5% of x₀, and the forward difference's truncation
+    error ``h·t`` is 0.7% of the column; MINPACK's step is 1.5e-14.
+    """
+    t = np.linspace(0.5, 2.0, 7)
+
+    def fun(x: np.ndarray) -> np.ndarray:
+        return x[0] ** 2 * t + x[1] * t**2
+
+    def fun_torch(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(fun(x.numpy()))
+
+    x = torch.tensor([1e-6, 0.0], dtype=F64)
+    exact = np.stack([2 * x[0].item() * t, t**2], axis=1)
+    ours = finite_difference(fun_torch, "2-point", numpy_fun=fun, minpack=True)(x).numpy()
+    scipys = finite_difference(fun_torch, "2-point", numpy_fun=fun)(x).numpy()
+    np.testing.assert_allclose(ours, exact, rtol=1e-6)
+    assert np.abs(scipys[:, 0] / exact[:, 0] - 1).max() > 1e-3
+    # At x₁ = 0 the step is √eps itself: a linear column, exact to rounding.
+    np.testing.assert_allclose(ours[:, 1], t**2, rtol=1e-7)
+
+
+def test_finite_differences_refuse_a_residual_count_that_changes() -> None:
+    def fun(x: np.ndarray) -> np.ndarray:
+        return np.ones(3 if x[1] == 0.5 else 4)
+
+    x = torch.tensor([0.5, 0.5], dtype=F64)
+    jac = finite_difference(
+        lambda v: torch.from_numpy(fun(v.numpy())), "3-point", numpy_fun=fun, minpack=False
+    )
+    with pytest.raises(ValueError, match="must not depend on x"):
+        jac(x)
+
+
+@pytest.mark.parametrize(("name", "start"), [("Kirby2", 1), ("Kirby2", 2), ("Hahn1", 2)])
+def test_numpy_residuals_with_minpack_differences_reach_six_digits(name: str, start: int) -> None:
+    """NIST's certified values from NumPy residuals by forward differences (method="lm").
+
+    With the step √eps·max(1, |x|) these starts ended at 2-5 digits (Hahn1's b₅..b₇ are
+    1e-4..1e-7); with MINPACK's relative step, taken exactly (``h = (x + h) - x``), at
+    7 or more.  (scipy's lm, the same step not taken exactly, ends at 2.2 and 5.0.)
+    """
+    from benchmarks.nist_data import PROBLEMS
+    from benchmarks.nist_evals import lre
+
+    p = PROBLEMS[name]
+    with np.errstate(all="ignore"):
+        res = so.least_squares(
+            p.numpy_residuals(),
+            np.array(p.starts[start - 1], dtype=np.float64),
+            method="lm",
+            ftol=1e-15,
+            xtol=1e-15,
+            gtol=1e-15,
+        )
+    assert lre(res.x.tolist(), p.certified) >= 6
 
 
 def test_auto_mode_takes_reverse_mode_for_small_problems() -> None:
@@ -156,3 +231,72 @@ def test_least_squares_on_the_host_path_matches_scipy() -> None:
     ref = scipy_optimize.least_squares(fun, x0, method="lm", ftol=1e-12, xtol=1e-12, gtol=1e-12)
     np.testing.assert_allclose(ours.x, ref.x, rtol=1e-7)
     assert ours.cost == pytest.approx(ref.cost, rel=1e-10)
+
+
+@pytest.mark.parametrize("which", ["held", "equal copy", "other"])
+def test_host_factorisation_of_j_and_minus_r_solves_for_any_w(which: str) -> None:
+    """The QR of [J, -r] gives Q0ᵀ(-r) without Q0; any other w forms Q0 (the torch QR's steps)."""
+    g = torch.Generator().manual_seed(11)
+    J = torch.randn(30, 4, generator=g, dtype=F64) * torch.logspace(-3, 3, 4, dtype=F64)
+    r = torch.randn(30, generator=g, dtype=F64)
+    d = (J * J).sum(0)
+    system = _system(J, r)
+    host = QRSolver(host=True).factor(system, d)
+    device = QRSolver().factor(system, d)
+    held = getattr(host, "w", None)
+    assert isinstance(held, torch.Tensor) and torch.equal(held, -r)
+    w = {"held": held, "equal copy": -r, "other": torch.randn(30, generator=g, dtype=F64)}[which]
+    for lam in (0.0, 1e-4, 10.0):
+        ref = device.solve(lam, J.T @ w, w)
+        out = host.solve_scaled(lam, w)
+        assert ref is not None and out is not None
+        torch.testing.assert_close(out[0], ref, rtol=1e-9, atol=1e-12 * float(ref.abs().max()))
+        norm = host.scaled_norm(lam, w)
+        assert norm == pytest.approx(float(torch.linalg.vector_norm(d.sqrt() * ref)), rel=1e-8)
+
+
+def test_host_normal_equations_equal_torch_products() -> None:
+    from secondorder.fitting.bounds import BoxTransform, parse_bounds
+    from secondorder.fitting.problem import FunctionProblem
+
+    g = torch.Generator().manual_seed(3)
+    J = torch.randn(25, 5, generator=g, dtype=F64)
+    f = torch.randn(25, generator=g, dtype=F64)
+    y = torch.zeros(5, dtype=F64)
+
+    def jac(x: torch.Tensor, f0: torch.Tensor | None = None) -> torch.Tensor:
+        return J
+
+    problem = FunctionProblem(
+        lambda x: f,
+        jac,
+        BoxTransform(*parse_bounds(None, 5)),
+        "linear",
+        1.0,
+        need_gram=True,
+        differentiable=False,
+        takes_residuals=True,
+    )
+    system = problem.linearize(y, f)
+    torch.testing.assert_close(system.grad, J.T @ f, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(system.col_sq, (J * J).sum(0), rtol=1e-14, atol=0.0)
+    assert system.gram is not None
+    torch.testing.assert_close(system.gram, J.T @ J, rtol=1e-14, atol=1e-14)
+    assert float(system.loss_sum) == pytest.approx(float(f @ f), rel=1e-14)
+    assert system.jac is J and system.residuals is f
+
+
+def test_finite_system_check_reads_j_through_its_column_norms() -> None:
+    from secondorder.fitting.problem import is_finite_system
+
+    J, r = torch.ones(6, 2, dtype=F64), torch.ones(6, dtype=F64)
+    assert is_finite_system(_system(J, r))
+    bad = J.clone()
+    bad[2, 1] = math.nan
+    assert not is_finite_system(_system(bad, r))
+    # Residuals whose squares overflow: the loss is inf, but J, Jᵀr and the norms are
+    # finite numbers, so a linear model exists (as before the check shared the read).
+    huge = torch.full((6,), 1e155, dtype=F64)
+    system = _system(J, huge)
+    assert not math.isfinite(float(system.loss_sum))
+    assert is_finite_system(system)

@@ -469,3 +469,57 @@ def test_a_failed_step_leaves_the_memory_plan_as_it_was():
     res.mode = "same"
     opt.step(x, y)
     assert opt.memory_plan == plan
+
+
+# -- several ranks ------------------------------------------------------------------------------
+
+
+def rank_cached_steps(rank: int, world: int) -> dict[str, Any]:
+    """Cached steps, a count change on rank 1 only, and shards of different shapes."""
+    x, y = batch(32, 1)
+    share = 16
+    xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+    model, res = mlp(), Switching()
+    opt = so.LevenbergMarquardt(model, res)
+    for _ in range(3):
+        opt.step(xs, ys)
+    out: dict[str, Any] = {"hits": opt._probes.hits}
+    before, state = [p.detach().clone() for p in model.parameters()], state_of(opt)
+    if rank == 1:
+        res.mode = "double"
+    try:
+        opt.step(xs, ys)
+        out["raised"] = ""
+    except (ValueError, RuntimeError) as exc:
+        out["raised"] = str(exc)
+    assert_unchanged(model, before, opt, state)
+    res.mode = "same"
+    # Rank 1 drops its last sample: a new signature (a probe) there, a cached one on rank 0.
+    last = xs.shape[0] - rank
+    opt.step(xs[:last], ys[:last])
+    out["hits_after"] = opt._probes.hits
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.distributed
+def test_ranks_with_cached_probes_raise_together_and_equal_one_process():
+    from secondorder.testing import run_ranks
+
+    results = {r: v.unwrap() for r, v in run_ranks(rank_cached_steps, 2).items()}
+    assert results[0]["hits"] == results[1]["hits"] == 2
+    assert "residual_fn returned 96 residuals for 16 samples, but 48" in results[1]["raised"]
+    assert "1 of 2 ranks raised while linearising" in results[0]["raised"]
+    assert (results[0]["hits_after"], results[1]["hits_after"]) == (4, 3)
+    # One process on the concatenated batch, up to the order of the sums.
+    x, y = batch(32, 1)
+    model = mlp()
+    opt = so.LevenbergMarquardt(model)
+    for _ in range(3):
+        opt.step(x, y)
+    opt.step(torch.cat([x[:16], x[16:31]]), torch.cat([y[:16], y[16:31]]))
+    for r in (0, 1):
+        for p, q in zip(results[r]["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-10, atol=1e-12)
+    for p, q in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(p, q)

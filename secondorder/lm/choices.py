@@ -12,7 +12,11 @@ object, :class:`Choices`:
   (:class:`~secondorder.lm.jacobian.CheckedStrategy`);
 - solver, form and slice size: the memory planner (:mod:`secondorder.lm.planner`),
   which raises :class:`~secondorder.lm.planner.PlanError` before J is computed when
-  nothing fits;
+  nothing fits.  A plan is kept per batch shape (on one process) and followed again
+  while the free memory stays in the range where the planner would decide the same
+  (:func:`~secondorder.lm.planner.available_range`); the free memory is read again
+  every :data:`PLAN_RECHECK_STEPS` uses of the plan, and on every use when the plan
+  needs more than half of what was free at the last reading;
 - the Gram's dtype: :class:`~secondorder.lm.precision.GramPrecision`, fixed per
   batch or chosen per iteration from λ.
 
@@ -23,6 +27,7 @@ all ranks choose alike.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..distributed import Reducer
 from .backends import make_backend_solver
+from .batch import RowsCheck
 from .config import LMConfig
 from .jacobian import (
     JACOBIANS,
@@ -46,7 +52,14 @@ from .jacobian import (
 )
 from .linalg import LinearSolver, NormalEquations
 from .model import ModelFunction, interacting_modules, slice_tree
-from .planner import USABLE_FRACTION, MemoryPlan, PlanError, available_memory, plan_memory
+from .planner import (
+    USABLE_FRACTION,
+    MemoryPlan,
+    PlanError,
+    available_memory,
+    available_range,
+    plan_memory,
+)
 from .precision import DualFloorCheck, GramPrecision
 from .problem import BatchSetup, raise_if_failed
 from .sharded import BroadcastSolver, ShardedCGSolver
@@ -58,6 +71,24 @@ PROBE_ENTRIES = 1 << 24
 
 #: The strategies ``"auto"`` chooses among.
 _CONCRETE = tuple(name for name in JACOBIANS if name != "auto")
+
+#: Uses of a kept memory plan between two readings of the free memory, while the plan
+#: needs at most half of what was free at the last reading (see :meth:`Choices.memory_plan`).
+PLAN_RECHECK_STEPS = 16
+
+#: Batch shapes whose memory plan is kept (as many as :class:`~.batch.ProbeCache` keeps).
+_KEPT_PLANS = 8
+
+
+@dataclass
+class _KeptPlan:
+    """A memory plan, and the free memory ``[low, high)`` over which it stays the same."""
+
+    plan: MemoryPlan
+    low: int
+    high: int | None
+    #: Uses since the free memory was last read.
+    unread: int = 0
 
 
 def set_solver_dtype(solver: LinearSolver, dtype: torch.dtype) -> None:
@@ -109,6 +140,8 @@ class Choices:
         self.auto_cache: dict[str, str] = {}
         #: Per input signature, the strategy checked on a probe of its first batch.
         self.checked: dict[str, str] = {}
+        #: Per ``(batch, rows, rows_total, jacobian, slice_size)``, the plan followed.
+        self.plans: dict[tuple[Any, ...], _KeptPlan] = {}
 
     def setup(
         self,
@@ -118,12 +151,16 @@ class Choices:
         m: int,
         m_total: int,
         slice_size: int | None = None,
+        *,
+        probed: bool = True,
     ) -> tuple[BatchSetup, MemoryPlan]:
         """The setup of one batch and its memory plan; raise :class:`PlanError` if it cannot fit.
 
         ``m`` counts this rank's residuals, ``m_total`` those of every rank (the same
         on one process); form and solver follow the global problem, so every rank
         chooses alike.  ``slice_size`` overrides the configured one for this batch.
+        ``probed=False`` (the residual count came from an earlier batch of the same
+        signature) checks each slice's residuals against it (:class:`~.batch.RowsCheck`).
         """
         cfg, fn = self.config, self.function
         name = self.jacobian(inputs, targets, batch, m, m_total)
@@ -139,6 +176,8 @@ class Choices:
         if cfg.jacobian != "auto" or fn.coupled_residual:
             # "auto" checked its choice on a probe; these are checked where they run.
             strategy = CheckedStrategy(strategy, fn.model)
+        if not probed:
+            strategy = RowsCheck(strategy, batch, m, fn.params[0].dtype)
         if cfg.cg_preconditioner == "kfac" and plan.solver == "cg" and not strategy.per_sample:
             raise ValueError(
                 f"cg_preconditioner='kfac' needs per-sample residuals, but this batch uses "
@@ -463,16 +502,28 @@ class Choices:
     def memory_plan(
         self, batch: int, m: int, m_all: int, jacobian: str, slice_size: int | None
     ) -> MemoryPlan:
-        """The memory plan of this step; raise :class:`PlanError` if it cannot fit."""
+        """The memory plan of this step; raise :class:`PlanError` if it cannot fit.
+
+        On one process the plan of each batch shape is kept and followed again while
+        the free memory stays where :func:`~secondorder.lm.planner.plan_memory` would
+        make the same decisions.  The free memory is read again on every
+        :data:`PLAN_RECHECK_STEPS`-th use, and on every use when the plan needs more
+        than half of what was free at the last reading; outside the range the batch
+        is planned anew.  With several ranks every step is planned (the plan's
+        agreement is a collective every rank must join).
+        """
+        key = (batch, m, m_all, jacobian, slice_size)
+        world = self.reducer.world_size
+        kept = self.plans.get(key) if world == 1 else None
+        reading = None
+        if kept is not None:
+            plan, reading = self._follow(kept)
+            if plan is not None:
+                return plan
         cfg = self.config
         p0 = self.function.params[0]
-        available: int | None = cfg.memory_limit
-        source = "memory_limit"
-        if available is None:
-            free, where = available_memory(p0.device)
-            available = None if free is None else int(free * USABLE_FRACTION)
-            source = where if free is None else f"{USABLE_FRACTION:.0%} of {where}"
-        world = self.reducer.world_size
+        available, source = reading or self._available()
+        peaks: list[int] = []
         plan = plan_memory(
             parameters=self.function.n,
             samples=batch,
@@ -493,10 +544,52 @@ class Choices:
             available_source=source,
             world_size=world,
             agree=self._agree if world > 1 else None,
+            peaks=peaks,
         )
         if not plan.fits:
             raise PlanError(plan)
+        if world == 1:
+            low, high = available_range(peaks, available)
+            self.plans.pop(key, None)
+            self.plans[key] = _KeptPlan(plan, low, high)
+            while len(self.plans) > _KEPT_PLANS:
+                del self.plans[next(iter(self.plans))]
         return plan
+
+    def _available(self) -> tuple[int | None, str]:
+        """Bytes a step may use and where the number came from (``memory_limit`` first)."""
+        limit = self.config.memory_limit
+        if limit is not None:
+            return limit, "memory_limit"
+        free, where = available_memory(self.function.params[0].device)
+        if free is None:
+            return None, where
+        return int(free * USABLE_FRACTION), f"{USABLE_FRACTION:.0%} of {where}"
+
+    def _follow(self, kept: _KeptPlan) -> tuple[MemoryPlan | None, tuple[int | None, str] | None]:
+        """``kept``'s plan if the free memory may still be in its range, and any reading.
+
+        ``(None, reading)`` when the free memory read now lies outside the range: the
+        caller plans anew with that reading.
+        """
+        if self.config.memory_limit is not None:
+            return kept.plan, None  # planned against the same fixed limit
+        last = kept.plan.available_bytes
+        kept.unread += 1
+        if last is not None and kept.unread < PLAN_RECHECK_STEPS and kept.low <= last // 2:
+            return kept.plan, None
+        reading = self._available()
+        available, source = reading
+        if (available is None) != (last is None):
+            return None, reading
+        if available is not None and (
+            available < kept.low or (kept.high is not None and available >= kept.high)
+        ):
+            return None, reading
+        kept.unread = 0
+        if (available, source) != (last, kept.plan.available_source):
+            kept.plan = replace(kept.plan, available_bytes=available, available_source=source)
+        return kept.plan, None
 
     def _agree(self, fits: list[bool]) -> list[bool]:
         # Every rank must pick the same solver and form: a candidate counts as

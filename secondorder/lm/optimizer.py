@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..distributed import Reducer, resolve_reducer
 from ..distributed.devices import replicate_module, resolve_devices, sync_replica
-from .batch import check_step
+from .batch import ProbeCache, check_step
 from .checkpoint import STATE_FORMAT_VERSION, Checkpoint, read_state_dict, write_state_dict
 from .choices import Choices, normal_matrix_dtype, set_dual_check, set_solver_dtype
 from .config import LMConfig
@@ -264,6 +264,8 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         )
         self._steps = 0
         self._memory_plan: MemoryPlan | None = None
+        #: ``residual_fn``'s probe verdict per batch signature (see :mod:`.batch`).
+        self._probes = ProbeCache()
         #: Whether the small-batch warning was given (once per optimizer).
         self._warned_small_batch = False
         #: A fingerprint of the last step's inputs, to tell mini-batches from one batch.
@@ -362,17 +364,26 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         Raises :class:`~secondorder.planner.PlanError` when the step cannot fit, before
         J is computed.
         """
-        batch, m, m_total, lr = check_step(
+        found = check_step(
             self._function,
             self.param_groups,
             inputs,
             targets,
             slice_size,
             any_device=self._any_device,
+            probes=self._probes,
         )
-        setup, plan = self._choices.setup(inputs, targets, batch, m, m_total, slice_size)
+        setup, plan = self._choices.setup(
+            inputs,
+            targets,
+            found.batch,
+            found.rows,
+            found.rows_total,
+            slice_size,
+            probed=found.probed,
+        )
         self._memory_plan = plan
-        return setup, m_total, lr
+        return setup, found.rows_total, found.lr
 
     def plan(
         self, inputs: Any, targets: Any = _NO_TARGETS, *, slice_size: int | None = None

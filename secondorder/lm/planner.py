@@ -75,6 +75,7 @@ __all__ = [
     "Stage",
     "activation_numel",
     "available_memory",
+    "available_range",
     "plan_memory",
 ]
 
@@ -221,6 +222,7 @@ def plan_memory(
     activations: int = 0,
     world_size: int = 1,
     agree: Callable[[list[bool]], list[bool]] | None = None,
+    peaks: list[int] | None = None,
 ) -> MemoryPlan:
     """Plan one LM step: resolve ``"auto"`` choices and the slice size, and check the fit.
 
@@ -251,6 +253,12 @@ def plan_memory(
         agree: with several processes, maps this process's list "candidate fits"
             to the list for every process (a candidate fits where it fits on all),
             so that all processes choose alike; called exactly once.
+        peaks: a list to which the peak of every configuration compared with
+            ``available`` is appended.  The plan depends on ``available`` only
+            through those comparisons, so any other ``available`` that lies on the
+            same side of each of them gives the same plan (up to the
+            ``available_bytes`` it records): a caller may keep the plan while the
+            free memory stays within that range (:func:`available_range`).
 
     Returns:
         The :class:`MemoryPlan`.  Under ``solver="auto"`` the choice is the one the
@@ -289,7 +297,7 @@ def plan_memory(
     )
     candidates = _candidates(shape, solver, form)
     plans = [
-        _fit(shape, c_solver, c_dual, slice_size, memory_budget, available, available_source)
+        _fit(shape, c_solver, c_dual, slice_size, memory_budget, available, available_source, peaks)
         for c_solver, c_dual in candidates
     ]
     fits = [p.fits for p in plans]
@@ -299,6 +307,21 @@ def plan_memory(
     if chosen is not None:
         return chosen
     return _refusal(plans[0], shape, slice_size, memory_budget, available, gram_dtype, dtype)
+
+
+def available_range(peaks: list[int], available: int | None) -> tuple[int, int | None]:
+    """The range ``[low, high)`` of free memory over which a plan stays the same.
+
+    ``peaks`` are those :func:`plan_memory` compared with ``available``: ``low`` is
+    the largest that fitted (0 if none), ``high`` the smallest that did not (None if
+    none).  Any available memory in the range compares alike with every peak, so
+    :func:`plan_memory` takes the same decisions with it.
+    """
+    if available is None:
+        return 0, None
+    low = max((p for p in peaks if p <= available), default=0)
+    high = min((p for p in peaks if p > available), default=None)
+    return low, high
 
 
 def _check_arguments(
@@ -381,9 +404,13 @@ def _fit(
     budget: int,
     available: int | None,
     source: str,
+    peaks: list[int] | None = None,
     budget_applies: bool = True,
 ) -> MemoryPlan:
-    """The plan of one configuration, with the largest slice that fits when not fixed."""
+    """The plan of one configuration, with the largest slice that fits when not fixed.
+
+    Appends to ``peaks`` every peak compared with ``available`` (see :func:`plan_memory`).
+    """
     per_sample = not shape.jacobian.startswith("batch")
     chunk = slice_size if not per_sample else None
 
@@ -391,6 +418,8 @@ def _fit(
         stages, lin, sol = estimate(shape, solver, dual, s, chunk)
         peak = max(lin, sol)
         ok = available is None or peak <= available
+        if peaks is not None and available is not None:
+            peaks.append(peak)
         return MemoryPlan(
             parameters=shape.n,
             samples=shape.samples,
@@ -450,7 +479,7 @@ def _advice(
     per_sample = not shape.jacobian.startswith("batch")
     s = slice_size if per_sample else None
     if per_sample and slice_size is not None:
-        smaller = _fit(shape, plan.solver, dual, None, budget, available, "", False)
+        smaller = _fit(shape, plan.solver, dual, None, budget, available, "", None, False)
         if smaller.fits:
             out.append(f"slice_size={smaller.slice_size} (needs {_size(smaller.peak_bytes)})")
     others: list[tuple[str, str, bool]] = []

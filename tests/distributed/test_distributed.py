@@ -146,9 +146,9 @@ def job_dies(rank: int, world: int, stall: bool = False) -> dict[str, Any]:
     def residual(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         nonlocal calls
         calls += armed
-        # Third call of the second step: after validation and the Jacobian, in the
-        # evaluation of the first trial point.
-        if rank == 1 and calls == 3:
+        # Second call of the second step: after the Jacobian, in the evaluation of the
+        # first trial point (the batch was validated by the first step: no probe call).
+        if rank == 1 and calls == 2:
             if stall:
                 time.sleep(120)
             os._exit(3)

@@ -765,8 +765,10 @@ def test_checkpoint_file_resumes_bitwise_after_a_fault(case, tmp_path):
     opt = so.LevenbergMarquardt(model, res, max_attempts=1, **options)
     opt.step(x, y)
     # Two faulty linearisations in a row: λ and Nielsen's ν are mid-streak when we save.
+    # The linearisation is call 1 when the batch's probe is cached (these steps), call 2
+    # after a probe; a NaN probe passes (it checks shapes), so both calls are faulty.
     for _ in range(2):
-        res.arm({2: "nan"})
+        res.arm({1: "nan", 2: "nan"})
         info = opt.step(x, y)
         assert not info.accepted and "non-finite" in info.reason
     res.arm()

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 import secondorder as so
+from secondorder.lm.batch import batch_signature
 
 pytestmark = pytest.mark.slow
 
@@ -39,9 +40,12 @@ BATCH, SLICE = 32, 8
 N_SLICES = BATCH // SLICE
 FAULT_RATE = 0.2
 TRACE_FROM, TRACE_TO = 400, 1400  # tracemalloc doubles the cost of a step: a window
+# Call numbers of a step that probes its batch (validation, linearisation, first trial).
+# A step whose batch signature was probed before skips the validation call: its calls
+# come one earlier (see run_steps).
 LINEARIZE_CALLS = range(2, 2 + N_SLICES)
 FIRST_TRIAL_CALLS = range(2 + N_SLICES, 2 + 2 * N_SLICES)
-LAST_CALL = 1 + 2 * N_SLICES  # validation, linearisation, first trial
+LAST_CALL = 1 + 2 * N_SLICES
 KINDS = (
     "nan-residuals-one-slice",
     "inf-residuals-one-slice",
@@ -166,6 +170,11 @@ def run_steps(
         xb, probs = X[idx], y[idx]
         flags = torch.zeros(BATCH)
         kind, where = plan_fault(step)
+        if batch_signature(model, xb, (probs, flags)) in opt._probes:
+            # No validation call: the same event comes one call earlier, and a fault
+            # planned for the validation itself strikes the first call there is, so a
+            # resumed run (whose first step validates) raises where this one does.
+            where = max(1, where - 1)
         residual.calls, residual.plan = 0, {}
         model.calls, model.fail_at = 0, None
         if kind in ("nan-residuals-one-slice", "nan-trial-one-slice"):

@@ -231,6 +231,10 @@ class Choices:
         """The primal Gram's dtype for an iteration starting at λ = ``damping``."""
         return self.precision.choose(self.function.params[0].dtype, damping, m_total)
 
+    def primal_gram_chunk(self, damping: float, m_total: int) -> int | None:
+        """Rows per float32 product of a float64 primal Gram at λ = ``damping`` (or None)."""
+        return self.precision.chunk_rows(self.function.params[0].dtype, damping, m_total)
+
     def dual_gram_dtype(self, damping: float, scale: float) -> torch.dtype:
         """The dual matrix's dtype at λ = ``damping`` and mean diagonal ``scale``."""
         dtype = self.function.params[0].dtype

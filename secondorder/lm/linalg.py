@@ -201,16 +201,28 @@ def gram_blocks(n: int) -> int:
     return max(1, min(4, n // 96))
 
 
-def gram_update(gram: Tensor | None, jac: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def gram_update(
+    gram: Tensor | None, jac: Tensor, dtype: torch.dtype | None = None, chunk: int | None = None
+) -> Tensor:
     """Return ``gram + JᵀJ`` (``JᵀJ`` when ``gram`` is None), in ``dtype``.
 
     J (a slice of rows) is converted to ``dtype`` (default: its own) first; products
     of float32 entries are exact in float64, so a float64 Gram of a float32 J carries
-    only the rounding of its sums.  ``gram`` is updated in place.  Wide Jacobians
-    are multiplied block by block above the diagonal (:func:`gram_blocks`), a
-    symmetric rank-k update written with general products so it runs on any device;
-    the result is exactly symmetric off the diagonal blocks.
+    only the rounding of its sums.  With ``chunk``, a float64 Gram of a float32 J is
+    instead summed from float32 products of ``chunk`` rows at a time (no float64 copy
+    of J; :meth:`~secondorder.lm.precision.GramPrecision.chunk_rows` says when that is
+    accurate enough).  ``gram`` is updated in place.  Wide Jacobians are multiplied
+    block by block above the diagonal (:func:`gram_blocks`), a symmetric rank-k
+    update written with general products so it runs on any device; the result is
+    exactly symmetric off the diagonal blocks.
     """
+    if chunk is not None and dtype == torch.float64 and jac.dtype == torch.float32:
+        n = jac.shape[1]
+        if gram is None:
+            gram = torch.zeros(n, n, dtype=torch.float64, device=jac.device)
+        for start in range(0, jac.shape[0], chunk):
+            gram.add_(gram_update(None, jac[start : start + chunk]))
+        return gram
     j = jac if dtype is None else jac.to(dtype)
     n = j.shape[1]
     k = gram_blocks(n)

@@ -476,7 +476,8 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         x = self._function.flat().to(self._function.group.solver)
         if self._choices.varies() and setup.form == "primal":
             gram_dtype = self._choices.primal_gram_dtype(self._damping.damping, m_total)
-            setup = replace(setup, gram_dtype=gram_dtype)
+            chunk = self._choices.primal_gram_chunk(self._damping.damping, m_total)
+            setup = replace(setup, gram_dtype=gram_dtype, gram_chunk=chunk)
             set_solver_dtype(setup.solver, gram_dtype)
         prob = self._problem = ModelProblem(self._function, setup)
         system = prob.linearize(x)

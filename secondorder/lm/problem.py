@@ -71,6 +71,9 @@ class BatchSetup:
         gram_dtype: dtype the Gram is accumulated in; ``None``: the parameters'.
         dual_scale: whether ``linearize`` measures the scale of ``JD⁻¹Jᵀ`` (dual form
             under ``gram_dtype="auto"``).
+        gram_chunk: with a float64 ``gram_dtype`` and a float32 J, the rows of each
+            float32 product the Gram is summed from (:func:`~secondorder.lm.linalg.gram_update`);
+            ``None``: J is converted to float64.
     """
 
     inputs: Any
@@ -82,6 +85,7 @@ class BatchSetup:
     form: str
     gram_dtype: torch.dtype | None
     dual_scale: bool
+    gram_chunk: int | None = None
 
 
 @dataclass
@@ -286,7 +290,9 @@ class ModelProblem:
                     if store:
                         part_col = (J * J).sum(0)
                     else:
-                        sums.grams[k] = gram_update(sums.grams[k], J, self.gram_dtype)
+                        sums.grams[k] = gram_update(
+                            sums.grams[k], J, self.gram_dtype, self.setup.gram_chunk
+                        )
                 # The vectors are added on the solver device in slice order, as one
                 # device would add them.
                 sums.loss_sum += group.gather(part_loss)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev
+from torch.func import functional_call, jacrev, vmap
 
 import secondorder as so
 from secondorder.lm.precision import DualFloorCheck, GramPrecision, floor_holds
@@ -109,6 +109,84 @@ def test_auto_step_is_the_fixed_dtype_step(
     assert ref_info.gram_dtype == info.gram_dtype
     assert torch.equal(after, ref)
     assert info.loss == ref_info.loss
+
+
+def test_chunk_rows_fill_the_gap_between_float32_and_float64() -> None:
+    """``chunk_rows`` against its formula: the largest power of two b ≥ 512 with
+    ``u·√b ≤ tol·λ``, only where float32 over all rows is refused."""
+    rule = GramPrecision("auto", tol=0.1)
+    rows = 20_000
+    assert rule.choose(torch.float32, 1e-3, rows) == torch.float32
+    assert rule.chunk_rows(torch.float32, 1e-3, rows) is None
+    for lam in (1.4e-5, 2e-5, 5e-5, 8e-5):
+        assert rule.choose(torch.float32, lam, rows) == torch.float64
+        b = rule.chunk_rows(torch.float32, lam, rows)
+        assert b is not None and b >= 512 and b & (b - 1) == 0
+        assert U32 * math.sqrt(b) <= 0.1 * lam < U32 * math.sqrt(2 * b)
+    assert rule.chunk_rows(torch.float32, 1e-6, rows) is None  # would need b < 512
+    assert rule.chunk_rows(torch.float64, 2e-5, rows) is None
+    assert GramPrecision(torch.float64).chunk_rows(torch.float32, 2e-5, rows) is None
+    assert (
+        GramPrecision("auto", damping_matrix="identity").chunk_rows(torch.float32, 2e-5, rows)
+        is None
+    )
+    assert rule.chunk_rows(torch.float32, math.nan, rows) is None
+    assert rule.chunk_rows(torch.float32, 0.0, rows) is None
+
+
+def _tall_jacobian(points: int) -> Tensor:
+    """J of the sinc MLP on ``points`` inputs (float32, ``points`` × 37), by jacrev."""
+    model, x, _ = _sinc(points)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p: dict[str, Tensor], xi: Tensor) -> Tensor:
+        return functional_call(model, p, (xi[None],)).reshape(-1)
+
+    jac = vmap(jacrev(one), in_dims=(None, 0))(params, x)
+    return torch.cat([jac[k].reshape(points, -1) for k in params], dim=1)
+
+
+def test_a_gram_summed_from_float32_chunks_is_within_its_estimate() -> None:
+    """Against the float64 Gram: the chunked sum is exactly the float64 sum of float32
+    chunk products, its error in the units of D = diag(JᵀJ) is below ``u·√b``, and
+    below one float32 product's error."""
+    from secondorder.lm.linalg import gram_update
+
+    jac = _tall_jacobian(8192)
+    exact = jac.double().T @ jac.double()
+    inv = exact.diagonal().rsqrt()
+
+    def error(gram: Tensor) -> float:
+        scaled = (gram.double() - exact) * inv[:, None] * inv[None, :]
+        return float(torch.linalg.matrix_norm(scaled, 2))
+
+    for b in (512, 2048):
+        chunked = gram_update(None, jac, torch.float64, chunk=b)
+        by_hand = torch.zeros_like(exact)
+        for start in range(0, 8192, b):
+            part = jac[start : start + b]
+            by_hand += (part.T @ part).double()
+        assert chunked.dtype == torch.float64 and torch.equal(chunked, by_hand)
+        assert error(chunked) <= U32 * math.sqrt(b)
+        assert error(chunked) < error(jac.T @ jac)
+    twice = gram_update(gram_update(None, jac, torch.float64, 2048), jac, torch.float64, 2048)
+    assert torch.equal(twice, 2 * gram_update(None, jac, torch.float64, 2048))
+
+
+def test_auto_takes_float32_chunks_where_their_estimate_allows() -> None:
+    """A step at λ = 2e-5 on 8,192 points: float32 over all rows is refused, chunks of
+    1,024 rows are taken, and the step is within ``tol`` of the float64 step."""
+    damping = 2e-5
+    info, after = _one_step("auto", 8192, damping, "primal")
+    assert info.gram_dtype == "float64"
+    _, ref = _one_step(torch.float64, 8192, damping, "primal")
+    _, f32 = _one_step(torch.float32, 8192, damping, "primal")
+    model, _, _ = _sinc(8192)
+    start = _params(model)
+    step, step64, step32 = (after - start).double(), (ref - start).double(), (f32 - start).double()
+    assert not torch.equal(after, ref)  # not the float64 copy's Gram
+    assert float((step - step64).norm() / step64.norm()) <= 0.1
+    assert float((step - step64).norm()) < float((step32 - step64).norm())
 
 
 def test_float64_models_keep_float64() -> None:

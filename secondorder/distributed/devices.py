@@ -168,8 +168,8 @@ class DeviceGroup:
         self.solver = solver
         self._copy_streams: dict[torch.device, Any] = {}
         self._solver_non_blocking = _non_blocking(solver)
-        #: One device that is also the solver device, not CUDA: slices need no pipeline
-        #: and results no gather (checked per tensor: a residual_fn may return one elsewhere).
+        #: One device that is also the solver device, not CUDA: :meth:`stage` hands each
+        #: slice out at once (no copy stream to overlap with), without the pipeline.
         self._local = len(self.devices) == 1 and self.devices[0] == solver and solver.type != "cuda"
 
     def __len__(self) -> int:

@@ -167,6 +167,10 @@ class DeviceGroup:
         self.devices = tuple(devices)
         self.solver = solver
         self._copy_streams: dict[torch.device, Any] = {}
+        self._solver_non_blocking = _non_blocking(solver)
+        #: One device that is also the solver device, not CUDA: :meth:`stage` hands each
+        #: slice out at once (no copy stream to overlap with), without the pipeline.
+        self._local = len(self.devices) == 1 and self.devices[0] == solver and solver.type != "cuda"
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -198,7 +202,9 @@ class DeviceGroup:
 
     def gather(self, t: Tensor) -> Tensor:
         """``t`` on the solver device (``t`` itself when it is already there)."""
-        return t.to(self.solver, non_blocking=_non_blocking(self.solver))
+        if t.device == self.solver:
+            return t
+        return t.to(self.solver, non_blocking=self._solver_non_blocking)
 
     def sum(self, parts: Sequence[Tensor | None]) -> Tensor | None:
         """``Σ parts`` on the solver device, in entry order; ``None`` entries are skipped.
@@ -221,6 +227,13 @@ class DeviceGroup:
         before the current one is handed out, so on CUDA the copy runs while the
         caller computes; no device holds more than two slices at a time.
         """
+        if self._local:
+            # Nothing to overlap: each slice is moved (where it is not already on the
+            # device) and handed out at once.
+            move = _mover(self.devices[0])
+            for inputs, targets in slices:
+                yield 0, _tree_to(inputs, move), _tree_to(targets, move)
+            return
         pending: deque[tuple[int, Any, Any, Any]] = deque()
         for i, (inputs, targets) in enumerate(slices):
             pending.append(self._send(self.owner(i), inputs, targets))
@@ -258,9 +271,18 @@ class DeviceGroup:
 
 def _mover(dev: torch.device) -> Any:
     def move(t: Any) -> Any:
-        return t.to(dev) if isinstance(t, Tensor) else t
+        return t.to(dev) if isinstance(t, Tensor) and t.device != dev else t
 
     return move
+
+
+def _tree_to(tree: Any, move: Any) -> Any:
+    """``tree_map(move, tree)``, skipping the walk for a single tensor or None."""
+    if tree is None:
+        return None
+    if type(tree) is Tensor:
+        return move(tree)
+    return tree_map(move, tree)
 
 
 def _cuda_mover(dev: torch.device) -> Any:

@@ -190,6 +190,8 @@ class ModelFunction:
         self.names = names
         self.params = params
         self.shapes = [p.shape for p in params]
+        # Plain tuples: Tensor.view parses a tuple faster than a torch.Size.
+        self._view_shapes = [tuple(p.shape) for p in params]
         #: Shape, dtype and device of each parameter as built (see :meth:`check_unchanged`).
         self._layout = {
             k: (tuple(p.shape), p.dtype, p.device) for k, p in zip(names, params, strict=True)
@@ -262,7 +264,7 @@ class ModelFunction:
         return {
             name: chunk.view(shape)
             for name, chunk, shape in zip(
-                self.names, torch.split(x, self.numels), self.shapes, strict=True
+                self.names, x.split_with_sizes(self.numels), self._view_shapes, strict=True
             )
         }
 
@@ -285,5 +287,6 @@ class ModelFunction:
     def write(self, x: Tensor) -> None:
         """Copy the flat ``x`` into the model's parameters (an accepted step)."""
         with torch.no_grad():
-            for p, chunk in zip(self.params, torch.split(x, self.numels), strict=True):
-                p.copy_(chunk.view_as(p))
+            chunks = x.split_with_sizes(self.numels)
+            for p, chunk, shape in zip(self.params, chunks, self._view_shapes, strict=True):
+                p.copy_(chunk.view(shape))

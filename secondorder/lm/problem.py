@@ -191,8 +191,9 @@ class ModelProblem:
     def slices(self) -> Iterator[tuple[Any, Any]]:
         """The batch's slices as ``(inputs, targets)`` pairs, in order."""
         setup = self.setup
-        if not setup.strategy.per_sample:
+        if not setup.strategy.per_sample or setup.slice_size >= setup.batch_size:
             # Samples interact (or the residual needs the model itself): never slice.
+            # A slice as large as the batch is the batch itself (no views to make).
             yield setup.inputs, setup.targets
             return
         step = setup.slice_size
@@ -285,7 +286,8 @@ class ModelProblem:
                     r = r.detach()
                     sums.count += r.numel()
                     counts.append(r.numel())
-                    part_loss = torch.dot(r.to(wide), r.to(wide))
+                    r_wide = r.to(wide)
+                    part_loss = torch.dot(r_wide, r_wide)
                     part_grad = J.T @ r
                     if store:
                         part_col = (J * J).sum(0)

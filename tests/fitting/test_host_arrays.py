@@ -160,3 +160,96 @@ def test_flat_float64_residuals_pass_through_and_others_are_flattened() -> None:
     torch.testing.assert_close(out, grid.reshape(-1).to(F64), rtol=0.0, atol=0.0)
     with pytest.raises(TypeError, match="real floating-point residuals"):
         flat_residuals(torch.arange(3), numpy_fun=False)
+
+
+def _exp_model(x: torch.Tensor) -> torch.Tensor:
+    t = torch.linspace(0.0, 3.0, 12, dtype=F64)
+    return x[0] * torch.exp(-x[1] * t) - torch.cos(t)
+
+
+def test_the_direct_transform_of_a_flat_float64_fun_equals_the_adapted_one() -> None:
+    from secondorder.fitting.functions import CallCounter, jacobian_function, residual_function
+
+    x = torch.tensor([1.5, 0.7], dtype=F64)
+    for mode in ("auto", "fwd", "rev"):
+        counts = []
+        jacobians = []
+        for flat in (None, _exp_model):
+            counter = CallCounter(_exp_model)
+            residuals = residual_function(counter, (), {}, numpy_fun=False)
+            jac = jacobian_function(
+                mode,
+                residuals,
+                numpy_fun=False,
+                shape=(12, 2),
+                args=(),
+                kwargs={},
+                counter=counter,
+                flat_fun=flat,
+            )
+            jacobians.append(jac(x))
+            counts.append((counter.calls, counter.jacobian_calls, counter.value_calls))
+        assert torch.equal(jacobians[0], jacobians[1])
+        torch.testing.assert_close(
+            jacobians[1], torch.func.jacfwd(_exp_model)(x), rtol=1e-14, atol=1e-14
+        )
+        assert counts[0] == counts[1] == (1, 1, 0)
+
+
+def test_a_fun_whose_residuals_change_form_goes_through_the_adapter() -> None:
+    from secondorder.fitting.functions import CallCounter, jacobian_function, residual_function
+
+    form = {"flat": True}
+
+    def changing(x: torch.Tensor) -> torch.Tensor:
+        out = _exp_model(x)
+        # float64 and flat when probed; a (12, 1) float32 column afterwards.
+        return out if form["flat"] else out.reshape(12, 1).to(torch.float32)
+
+    counter = CallCounter(changing)
+    residuals = residual_function(counter, (), {}, numpy_fun=False)
+    jac = jacobian_function(
+        "auto",
+        residuals,
+        numpy_fun=False,
+        shape=(12, 2),
+        args=(),
+        kwargs={},
+        counter=counter,
+        flat_fun=changing,
+    )
+    form["flat"] = False
+    x = torch.tensor([2.0, 0.7], dtype=F64)
+    J = jac(x)
+    ref = torch.func.jacrev(lambda v: changing(v).reshape(-1).to(F64))(x)
+    assert J.shape == (12, 2) and J.dtype == F64
+    torch.testing.assert_close(J, ref, rtol=0.0, atol=0.0)
+    assert counter.value_calls == 0  # both transforms' calls booked as Jacobian calls
+
+
+def test_least_squares_takes_the_direct_transform_and_matches_scipy() -> None:
+    import scipy.optimize
+
+    t = np.linspace(0.0, 3.0, 12)
+    data = 2.0 * np.exp(-0.5 * t) + 0.01 * np.sin(7 * t)
+
+    def torch_fun(x: torch.Tensor) -> torch.Tensor:
+        tt = torch.from_numpy(t)
+        return x[0] * torch.exp(-x[1] * tt) - torch.from_numpy(data)
+
+    def numpy_fun(x: np.ndarray) -> np.ndarray:
+        return x[0] * np.exp(-x[1] * t) - data
+
+    def numpy_jac(x: np.ndarray) -> np.ndarray:
+        e = np.exp(-x[1] * t)
+        return np.stack([e, -x[0] * t * e], axis=1)
+
+    import secondorder as so
+
+    tight = {"ftol": 1e-15, "xtol": 1e-15, "gtol": 1e-15, "method": "lm"}
+    ours = so.least_squares(torch_fun, torch.tensor([1.0, 1.0], dtype=F64), **tight)
+    ref = scipy.optimize.least_squares(numpy_fun, [1.0, 1.0], jac=numpy_jac, **tight)
+    # The valley is flat to 1e-18 in cost: scipy's own lm and trf differ by 3e-10 in x.
+    np.testing.assert_allclose(ours.x.numpy(), ref.x, rtol=1e-8)
+    assert ours.cost == pytest.approx(ref.cost, rel=1e-12)
+    assert ours.njev >= 1 and ours.nfev >= 1

@@ -540,6 +540,7 @@ def _build_problem(
         dense_only=opts.method == "lm",
         # scipy's "lm" differences in MINPACK (fdjac2), with MINPACK's relative step.
         minpack=opts.method == "lm",
+        flat_fun=fun if _flat_float64(probe, args, kwargs) else None,
     )
     problem = FunctionProblem(
         residuals,
@@ -555,6 +556,17 @@ def _build_problem(
     problem.differences = differences
     problem.remember(y_start, f0)
     return problem
+
+
+def _flat_float64(probe: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a torch ``fun`` of ``x`` alone returned flat float64 residuals at ``x0``."""
+    return (
+        not args
+        and not kwargs
+        and isinstance(probe, Tensor)
+        and probe.ndim == 1
+        and probe.dtype == torch.float64
+    )
 
 
 def _probe(

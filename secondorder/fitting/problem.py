@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..lm.linalg import HOST_MAX_N, NormalEquations
+from ..lm.linalg import HOST_MAX_N, HostArrays, NormalEquations
 from .bounds import BoxTransform
 from .functions import CallCounter, JacobianFn
 from .losses import Loss, doubled_cost, rho
@@ -194,7 +194,9 @@ class FunctionProblem:
         """:meth:`linearize`'s system in NumPy: the same products, no torch call per vector.
 
         For a few parameters each torch operation costs more in dispatch than its
-        arithmetic; these views share memory with the tensors the engine receives.
+        arithmetic; these views share memory with the tensors the engine receives, and
+        travel with the system (``host``) so the engine and the host factorisation
+        need not convert them again.
         """
         self.row_scale = None
         self.extra_rows = 0
@@ -214,6 +216,7 @@ class FunctionProblem:
             gram=None if gram is None else torch.from_numpy(gram),
             jac=J,
             residuals=f,
+            host=HostArrays(loss=float(loss), grad=grad, col_sq=col_sq, jac=j, residuals=r),
         )
 
     def jacobian(self, y: Tensor, f: Tensor) -> Tensor:

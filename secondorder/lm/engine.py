@@ -300,7 +300,7 @@ def iterate(
         loss0=loss0,
         xnorm0=None if fact.on_host else torch.linalg.vector_norm(x, dtype=torch.float64),
         w=_residual_w(system, fact),
-        host=_HostView.of(x, system, d) if fact.on_host else None,
+        host=_HostView.of(x, system, d, fact) if fact.on_host else None,
     )
     allowed = config.max_attempts if max_attempts is None else max_attempts
     attempt = 0
@@ -382,11 +382,24 @@ class _HostView:
     sqrt_d: np.ndarray
 
     @classmethod
-    def of(cls, x: Tensor, system: NormalEquations, d: Tensor) -> _HostView:
-        """Views of ``x``, ``Jᵀr``, J and ``D^½`` (CPU float64 tensors)."""
-        jac = None if system.jac is None else system.jac.numpy()
-        with np.errstate(all="ignore"):
-            return cls(x.numpy(), system.grad.numpy(), jac, np.sqrt(d.numpy()))
+    def of(cls, x: Tensor, system: NormalEquations, d: Tensor, fact: Factorization) -> _HostView:
+        """Views of ``x``, ``Jᵀr``, J and ``D^½`` (CPU float64 tensors).
+
+        A system formed on the host brings its own views, and a host factorisation
+        its ``D^½``: each conversion saved is a call as costly as the arithmetic.
+        """
+        arrays = system.host
+        jac: np.ndarray | None
+        if arrays is not None and system.jac is not None:
+            grad, jac = arrays.grad, arrays.jac
+        else:
+            grad = system.grad.numpy()
+            jac = None if system.jac is None else system.jac.numpy()
+        sqrt_d = getattr(fact, "sqrt_d", None)
+        if not isinstance(sqrt_d, np.ndarray):
+            with np.errstate(all="ignore"):
+                sqrt_d = np.sqrt(d.numpy())
+        return cls(x.numpy(), grad, jac, sqrt_d)
 
 
 def _measure_on_host(loop: _Loop, view: _HostView, delta: np.ndarray) -> list[float]:

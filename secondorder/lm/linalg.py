@@ -46,6 +46,7 @@ __all__ = [
     "CholeskySolver",
     "EighSolver",
     "Factorization",
+    "HostArrays",
     "LinearSolver",
     "NormalEquations",
     "QRSolver",
@@ -53,6 +54,23 @@ __all__ = [
     "gram_update",
     "make_solver",
 ]
+
+
+@dataclass(frozen=True)
+class HostArrays:
+    """A host system's numbers in NumPy, as its builder formed them (float64, CPU).
+
+    For a few parameters each crossing between torch and NumPy costs about as much as
+    the arithmetic it carries; the engine and the host factorisation read these
+    instead of converting the system's tensors again.  ``jac`` and ``residuals`` share
+    memory with the system's tensors.
+    """
+
+    loss: float
+    grad: np.ndarray
+    col_sq: np.ndarray
+    jac: np.ndarray
+    residuals: np.ndarray
 
 
 @dataclass
@@ -82,6 +100,8 @@ class NormalEquations:
             :meth:`scalars`.
         kronecker: the K-FAC factors of the model's layers, summed over ranks, when the
             CG solver preconditions with them (:mod:`secondorder.lm.kfac_cg`).
+        host: the same numbers in NumPy when the system was formed on the host (a
+            few float64 parameters, :class:`HostArrays`), else ``None``.
     """
 
     loss_sum: Tensor
@@ -95,6 +115,7 @@ class NormalEquations:
     scale_sq: Tensor | None = None
     dual_scale: Tensor | None = None
     kronecker: KroneckerStats | None = None
+    host: HostArrays | None = field(default=None, repr=False, compare=False)
     _host: tuple[bool, float, float] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -114,6 +135,10 @@ class NormalEquations:
         r or J is zero).  Computed once and kept: the optimizer reads these numbers
         before its first attempt, and a GPU stalls at every read.
         """
+        if self._host is None and self.host is not None:
+            # Formed on the host: its own arrays, no crossing and no device checks.
+            arrays, gram = self.host, None if self.gram is None else self.gram.numpy()
+            self._host = _host_scalars(arrays.loss, arrays.grad, arrays.col_sq, gram)
         if self._host is None and self._small_on_host():
             self._host = self._scalars_in_numpy()
         if self._host is None:
@@ -156,21 +181,8 @@ class NormalEquations:
         The same operations without a torch call; the cosine may differ from torch's
         in its last bit (it is only compared with gtol).
         """
-        with np.errstate(all="ignore"):
-            loss = float(self.loss_sum)
-            grad, col_sq = self.grad.numpy(), self.col_sq.numpy()
-            finite = math.isfinite(loss) and bool(
-                np.isfinite(grad).all() & np.isfinite(col_sq).all()
-            )
-            if finite and self.gram is not None:
-                finite = bool(np.isfinite(self.gram.numpy()).all())
-            rnorm = math.sqrt(max(loss, 0.0)) if not math.isnan(loss) else math.nan
-            colnorm = np.sqrt(col_sq)
-            ratio = np.abs(grad) / (colnorm * rnorm)
-            cos = float(np.where(colnorm > 0, ratio, 0.0).max(initial=-math.inf))
-        if not rnorm > 0:  # r = 0 (or not a number): no angle
-            cos = 0.0
-        return finite, loss, cos
+        gram = None if self.gram is None else self.gram.numpy()
+        return _host_scalars(float(self.loss_sum), self.grad.numpy(), self.col_sq.numpy(), gram)
 
     def dual_scale_value(self) -> float | None:
         """``dual_scale`` as a number (read in :meth:`scalars`'s one synchronisation)."""
@@ -186,6 +198,46 @@ class NormalEquations:
             raise RuntimeError("NormalEquations holds neither gram nor jac")
         jd = self.jac @ delta.to(self.jac.dtype)
         return torch.dot(jd, jd)
+
+
+def _host_scalars(
+    loss: float, grad: np.ndarray, col_sq: np.ndarray, gram: np.ndarray | None
+) -> tuple[bool, float, float]:
+    """``(finite, Σr², gtol measure)`` of :meth:`NormalEquations.scalars` in NumPy.
+
+    A few entries: Python floats first (the same IEEE operations, so the same numbers,
+    at a third of the cost of a dozen NumPy calls); anything unusual (a non-finite
+    entry, a zero or overflowing denominator) is left to the NumPy expressions.
+    """
+    if gram is None and math.isfinite(loss) and loss > 0.0:
+        rnorm = math.sqrt(loss)
+        cos = -math.inf
+        usual = True
+        for g, c in zip(grad.tolist(), col_sq.tolist(), strict=True):
+            if not (math.isfinite(g) and math.isfinite(c)):
+                usual = False
+                break
+            if c > 0.0:
+                denom = math.sqrt(c) * rnorm
+                if not 0.0 < denom < math.inf:
+                    usual = False
+                    break
+                cos = max(cos, abs(g) / denom)
+            else:
+                cos = max(cos, 0.0)  # a zero column makes no angle
+        if usual:
+            return True, loss, cos
+    with np.errstate(all="ignore"):
+        finite = math.isfinite(loss) and bool(np.isfinite(grad).all() & np.isfinite(col_sq).all())
+        if finite and gram is not None:
+            finite = bool(np.isfinite(gram).all())
+        rnorm = math.sqrt(max(loss, 0.0)) if not math.isnan(loss) else math.nan
+        colnorm = np.sqrt(col_sq)
+        ratio = np.abs(grad) / (colnorm * rnorm)
+        cos = float(np.where(colnorm > 0, ratio, 0.0).max(initial=-math.inf))
+    if not rnorm > 0:  # r = 0 (or not a number): no angle
+        cos = 0.0
+    return finite, loss, cos
 
 
 def gram_blocks(n: int) -> int:
@@ -509,11 +561,19 @@ class _HostSVD(Factorization):
 
     on_host = True
 
-    def __init__(self, jac: Tensor, d: Tensor, residuals: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        jac: Tensor,
+        d: Tensor,
+        residuals: Tensor | None = None,
+        arrays: HostArrays | None = None,
+        finite: bool = False,
+    ) -> None:
         with np.errstate(all="ignore"):
             self.sqrt_d = np.sqrt(d.numpy())
             self.inv_sqrt_d = 1.0 / self.sqrt_d
-            j = jac.numpy()
+            # The system's own NumPy views when it was formed on the host.
+            j = jac.numpy() if arrays is None else arrays.jac
             m, n = j.shape
             self._j = j
             #: ``-r`` and ``Q0ᵀ(-r)`` from the QR of ``[J, -r]`` (``None``: not given).
@@ -526,11 +586,15 @@ class _HostSVD(Factorization):
             if residuals is not None and m >= n:
                 both = np.empty((m, n + 1), order="F")
                 both[:, :n] = j
-                np.negative(residuals.numpy(), out=both[:, n])
+                r = residuals.numpy() if arrays is None else arrays.residuals
+                np.negative(r, out=both[:, n])
                 checked = both
             else:
                 both, checked = None, j
-            if not np.isfinite(checked).all():
+            # A host system whose scalars were read finite has finite J (its column norms)
+            # and r (its loss): no second scan.
+            known = arrays is not None and finite
+            if not known and not np.isfinite(checked).all():
                 # LAPACK may not return on NaN or inf: a failed factorisation, λ rises.
                 raise torch.linalg.LinAlgError("J D^-1/2 is not finite")
             try:
@@ -676,7 +740,10 @@ class QRSolver(LinearSolver):
             and jac.ndim == 2
             and jac.shape[1] <= HOST_MAX_N
         ):
-            return _HostSVD(jac, d, system.residuals)
+            arrays = system.host if system.residuals is not None else None
+            # scalars() has run (the engine reads them first) when _host is set.
+            finite = system._host is not None and system._host[0]
+            return _HostSVD(jac, d, system.residuals, arrays, finite)
         return _QR(jac, d, dtype)
 
 

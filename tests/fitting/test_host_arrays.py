@@ -17,6 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from secondorder.fitting.bounds import BoxTransform, parse_bounds
 from secondorder.fitting.functions import flat_residuals
@@ -91,14 +92,9 @@ def _host_problem(J: torch.Tensor, f: torch.Tensor) -> FunctionProblem:
     )
 
 
-def test_a_host_system_reads_the_same_scalars_as_one_without_arrays() -> None:
-    g = torch.Generator().manual_seed(5)
-    J = torch.randn(20, 4, generator=g, dtype=F64) * torch.logspace(-2, 2, 4, dtype=F64)
-    J[:, 2] = 0.0  # a zero column: no angle there
-    f = torch.randn(20, generator=g, dtype=F64)
-    system = _host_problem(J, f).linearize(torch.zeros(4, dtype=F64), f)
-    assert system.host is not None
-    plain = NormalEquations(
+def _without_arrays(system: NormalEquations, J: Tensor, f: Tensor) -> NormalEquations:
+    """The same system as plain tensors: what the host path computed before it kept arrays."""
+    return NormalEquations(
         loss_sum=system.loss_sum,
         count=system.count,
         grad=system.grad,
@@ -106,6 +102,16 @@ def test_a_host_system_reads_the_same_scalars_as_one_without_arrays() -> None:
         jac=J,
         residuals=f,
     )
+
+
+def test_a_host_system_reads_the_same_scalars_as_one_without_arrays() -> None:
+    g = torch.Generator().manual_seed(5)
+    J = torch.randn(20, 4, generator=g, dtype=F64) * torch.logspace(-2, 2, 4, dtype=F64)
+    J[:, 2] = 0.0  # a zero column: no angle there
+    f = torch.randn(20, generator=g, dtype=F64)
+    system = _host_problem(J, f).linearize(torch.zeros(4, dtype=F64), f)
+    assert system.host is not None
+    plain = _without_arrays(system, J, f)
     assert plain.host is None
     assert system.scalars() == plain.scalars()
     ref = _torch_scalars(float(f @ f), J.T @ f, (J * J).sum(0))
@@ -123,14 +129,7 @@ def test_host_factorisation_from_the_system_arrays_equals_the_one_from_tensors()
     assert system.scalars()[0]  # read first, as the engine does: J and r known finite
     d = system.col_sq.clone()
     with_arrays = QRSolver(host=True).factor(system, d)
-    plain = NormalEquations(
-        loss_sum=system.loss_sum,
-        count=system.count,
-        grad=system.grad,
-        col_sq=system.col_sq,
-        jac=J,
-        residuals=f,
-    )
+    plain = _without_arrays(system, J, f)
     without = QRSolver(host=True).factor(plain, d)
     for lam in (0.0, 1e-3, 10.0):
         a = with_arrays.solve_scaled(lam, -f)

@@ -219,6 +219,9 @@ def jacobian_function(
 
     def autodiff(x: Tensor, f0: Tensor | None = None) -> Tensor:
         if direct is not None:
+            if counter is not None:  # one call of fun, made inside the transform
+                counter.calls += 1
+                counter.jacobian_calls += 1
             try:
                 J = direct(x)
             except RuntimeError:
@@ -226,9 +229,6 @@ def jacobian_function(
                 # adapter calls fun again and names what is wrong.
                 J = None
             if J is not None and J.dtype == torch.float64 and J.shape == shape:
-                if counter is not None:  # one call of fun, made inside the transform
-                    counter.calls += 1
-                    counter.jacobian_calls += 1
                 return J
         before = counter.calls if counter is not None else 0
         J = transform(x)

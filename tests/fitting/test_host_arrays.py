@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,12 @@ import torch
 from torch import Tensor
 
 from secondorder.fitting.bounds import BoxTransform, parse_bounds
-from secondorder.fitting.functions import flat_residuals
+from secondorder.fitting.functions import (
+    CallCounter,
+    flat_residuals,
+    jacobian_function,
+    residual_function,
+)
 from secondorder.fitting.problem import FunctionProblem
 from secondorder.lm.linalg import NormalEquations, QRSolver, _host_scalars
 
@@ -166,8 +172,22 @@ def _exp_model(x: torch.Tensor) -> torch.Tensor:
     return x[0] * torch.exp(-x[1] * t) - torch.cos(t)
 
 
+def _autodiff(counter: CallCounter, mode: str, flat: Any) -> Any:
+    """``jacobian_function``'s transform of ``counter``'s fun (12 residuals, 2 unknowns)."""
+    residuals = residual_function(counter, (), {}, numpy_fun=False)
+    return jacobian_function(
+        mode,
+        residuals,
+        numpy_fun=False,
+        shape=(12, 2),
+        args=(),
+        kwargs={},
+        counter=counter,
+        flat_fun=flat,
+    )
+
+
 def test_the_direct_transform_of_a_flat_float64_fun_equals_the_adapted_one() -> None:
-    from secondorder.fitting.functions import CallCounter, jacobian_function, residual_function
 
     x = torch.tensor([1.5, 0.7], dtype=F64)
     for mode in ("auto", "fwd", "rev"):
@@ -175,17 +195,7 @@ def test_the_direct_transform_of_a_flat_float64_fun_equals_the_adapted_one() -> 
         jacobians = []
         for flat in (None, _exp_model):
             counter = CallCounter(_exp_model)
-            residuals = residual_function(counter, (), {}, numpy_fun=False)
-            jac = jacobian_function(
-                mode,
-                residuals,
-                numpy_fun=False,
-                shape=(12, 2),
-                args=(),
-                kwargs={},
-                counter=counter,
-                flat_fun=flat,
-            )
+            jac = _autodiff(counter, mode, flat)
             jacobians.append(jac(x))
             counts.append((counter.calls, counter.jacobian_calls, counter.value_calls))
         assert torch.equal(jacobians[0], jacobians[1])
@@ -196,7 +206,6 @@ def test_the_direct_transform_of_a_flat_float64_fun_equals_the_adapted_one() -> 
 
 
 def test_a_fun_whose_residuals_change_form_goes_through_the_adapter() -> None:
-    from secondorder.fitting.functions import CallCounter, jacobian_function, residual_function
 
     form = {"flat": True}
 
@@ -206,17 +215,7 @@ def test_a_fun_whose_residuals_change_form_goes_through_the_adapter() -> None:
         return out if form["flat"] else out.reshape(12, 1).to(torch.float32)
 
     counter = CallCounter(changing)
-    residuals = residual_function(counter, (), {}, numpy_fun=False)
-    jac = jacobian_function(
-        "auto",
-        residuals,
-        numpy_fun=False,
-        shape=(12, 2),
-        args=(),
-        kwargs={},
-        counter=counter,
-        flat_fun=changing,
-    )
+    jac = _autodiff(counter, "auto", changing)
     form["flat"] = False
     x = torch.tensor([2.0, 0.7], dtype=F64)
     J = jac(x)
@@ -224,6 +223,7 @@ def test_a_fun_whose_residuals_change_form_goes_through_the_adapter() -> None:
     assert J.shape == (12, 2) and J.dtype == F64
     torch.testing.assert_close(J, ref, rtol=0.0, atol=0.0)
     assert counter.value_calls == 0  # both transforms' calls booked as Jacobian calls
+    assert counter.calls == counter.jacobian_calls == 2  # the refused call counts too
 
 
 def test_least_squares_takes_the_direct_transform_and_matches_scipy() -> None:

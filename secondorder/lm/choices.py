@@ -565,10 +565,16 @@ class Choices:
         limit = self.config.memory_limit
         if limit is not None:
             return limit, "memory_limit"
-        free, where = available_memory(self.function.params[0].device)
+        device = self.function.params[0].device
+        free, where = available_memory(device)
         if free is None:
             return None, where
-        return int(free * USABLE_FRACTION), f"{USABLE_FRACTION:.0%} of {where}"
+        # J's pooled buffer is this step's to reuse (or drop before allocating anew).
+        pooled = self.function.program.rows_pool.free_bytes(device)
+        usable = int(free * USABLE_FRACTION)
+        if pooled:
+            return usable + pooled, f"{USABLE_FRACTION:.0%} of {where}, + J's pooled rows"
+        return usable, f"{USABLE_FRACTION:.0%} of {where}"
 
     def _follow(self, kept: _KeptPlan) -> tuple[MemoryPlan | None, tuple[int | None, str] | None]:
         """``kept``'s plan if the free memory may still be in its range, and any reading.

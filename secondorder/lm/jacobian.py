@@ -46,6 +46,7 @@ from torch.func import jacfwd, jacrev, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import conv_rows
+from .memory import BufferPool
 
 __all__ = [
     "JACOBIANS",
@@ -132,6 +133,8 @@ class ResidualProgram:
             ``torch.compile`` of the user's model warn and fall back).
         checked: per strategy and input signature, whether :class:`CheckedStrategy`
             has checked a forced strategy on this program (the probe's size).
+        rows_pool: the buffer the outer-product rule writes J's rows into, reused
+            from step to step while nothing else holds it (:class:`BufferPool`).
     """
 
     per_sample: Callable[[Params, Any, Any], Tensor] | None
@@ -142,6 +145,7 @@ class ResidualProgram:
     verified: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
     random_modules: tuple[nn.Module, ...] = ()
     checked: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    rows_pool: BufferPool = field(default_factory=BufferPool, compare=False, repr=False)
 
 
 def _with_aux(f: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -388,7 +392,7 @@ def _linear_rule(
     k = r.numel() // batch
     outs = _layer_outputs(calls, batch)
     p0 = next(iter(params.values()))
-    jac = torch.empty(batch, k, n, dtype=p0.dtype, device=p0.device)
+    jac = program.rows_pool.take((batch, k, n), p0.dtype, p0.device)
     rk = r.view(batch, k)
     checks = _autograd_sums(rk, leaves, program.order, k) if verify else []
     written = _fill_rows(jac, rk, calls, outs, starts)

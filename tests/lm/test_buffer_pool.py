@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor, nn
 
+import secondorder as so
+from secondorder.lm.choices import PLAN_RECHECK_STEPS
 from secondorder.lm.memory import BufferPool, _storage_users
 
 pytestmark = pytest.mark.skipif(
@@ -57,3 +60,53 @@ def test_keys_and_clear() -> None:
     pool.clear()
     fresh = pool.take((2, 2), torch.float32, "cpu")
     assert pool.reused == 0 and fresh.shape == (2, 2)
+
+
+def test_free_bytes_counts_only_buffers_nobody_else_holds() -> None:
+    pool = BufferPool()
+    a = pool.take((10, 4), torch.float64, "cpu")
+    assert pool.free_bytes("cpu") == 0  # a is still in use
+    del a
+    assert pool.free_bytes("cpu") == 10 * 4 * 8
+    assert pool.free_bytes("meta") == 0  # another device
+    b = pool.take((3, 4), torch.float32, "cpu")  # another shape replaces it
+    del b
+    assert pool.free_bytes("cpu") == 3 * 4 * 4
+
+
+def _sinc_fit(clear: bool) -> tuple[list[Tensor], int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.linspace(-1, 1, 300).unsqueeze(1)
+    y = torch.sinc(5 * x)
+    opt = so.LevenbergMarquardt(model, jacobian="reverse")
+    pool = opt._function.program.rows_pool
+    for _ in range(8):
+        opt.step(x, y)
+        if clear:
+            pool.clear()
+    return [p.detach().clone() for p in model.parameters()], pool.reused
+
+
+def test_the_optimizer_reuses_j_rows_and_its_steps_are_bitwise_those_of_fresh_buffers() -> None:
+    """The pooled rows change no step: the reference allocates J afresh every step."""
+    pooled, reused = _sinc_fit(clear=False)
+    fresh, none = _sinc_fit(clear=True)
+    assert reused >= 7 and none == 0
+    for a, b in zip(pooled, fresh, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_plan_counts_the_pooled_rows_as_free() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.linspace(-1, 1, 300).unsqueeze(1)
+    opt = so.LevenbergMarquardt(model, jacobian="reverse")
+    # The free memory is read on the first step, then again every PLAN_RECHECK_STEPS.
+    for _ in range(PLAN_RECHECK_STEPS + 1):
+        opt.step(x, torch.sinc(5 * x))
+    pooled = opt._function.program.rows_pool.free_bytes("cpu")
+    assert pooled == 300 * sum(p.numel() for p in model.parameters()) * 4
+    plan = opt.plan(x, torch.sinc(5 * x))
+    assert plan.available_bytes is not None and plan.available_bytes >= pooled
+    assert "J's pooled rows" in plan.available_source

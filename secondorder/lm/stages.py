@@ -155,6 +155,10 @@ def estimate(
     stages.append(Stage("vectors", vectors, "x, Jᵀr, diag(JᵀJ), D, δ, trial x"))
     trial = part.rows * b + part.s * shape.activations * b
     stages.append(Stage("trial", trial, "residuals and activations of one slice"))
+    # The outer-product rule ("reverse") writes a slice's rows into a pooled buffer that
+    # outlives the linearisation; stored rows of one slice are that buffer itself.
+    pooled = part.j1 if shape.jacobian == "reverse" and (gram or part.several) else 0
+    stages.append(Stage("pooled rows", pooled, "the last slice's J, kept for the next step"))
 
     # After linearising, the step checks J (or the Gram) for non-finite entries:
     # |x| and three boolean masks, measured at itemsize + 3 bytes per entry.
@@ -174,4 +178,5 @@ def estimate(
             linearize = max(linearize, gram_bytes + slice_peak)
     linearize = vectors + max(linearize, gram_bytes + rows_bytes + checked)
     solve = vectors + gram_bytes + rows_bytes + dual_bytes + factor.bytes + cg_bytes + trial
+    solve += pooled
     return tuple(stages), linearize, solve

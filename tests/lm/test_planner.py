@@ -74,10 +74,15 @@ def test_stage_bytes_match_closed_forms():
     assert dual.stage("dual matrix") == 1000 * n * 8 + 1000 * 1000 * 8
     assert dual.stage("factorisation") == 3 * 1000 * 1000 * 8
     assert dual.stage("stored rows") == 1000 * n * b
+    # J's pooled rows outlive the linearisation, except where they are the stored rows.
+    assert chol.stage("pooled rows") == m * n * b
+    assert dual.stage("pooled rows") == 0
+    sliced = plan_memory(solver="cg", slice_size=1000, **kw)
+    assert sliced.stage("pooled rows") == 1000 * n * b
     # The step's peak is the larger phase, each a sum of its stages.
     assert chol.peak_bytes == max(chol.linearize_bytes, chol.solve_bytes)
     assert chol.solve_bytes == sum(
-        chol.stage(s) for s in ("vectors", "gram", "factorisation", "trial")
+        chol.stage(s) for s in ("vectors", "gram", "factorisation", "trial", "pooled rows")
     )
 
 

@@ -194,6 +194,7 @@ class Choices:
             form=plan.form,
             gram_dtype=gram_dtype,
             dual_scale=plan.form == "dual" and self.precision.varies(dtype),
+            pool_rows=plan.pooled_rows,
         )
         return setup, plan
 

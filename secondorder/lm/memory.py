@@ -152,13 +152,17 @@ class BufferPool:
 
     The pool keeps one buffer per key between steps.  That memory belongs to the next
     step, which reuses the buffer or drops it before allocating another, so the planner
-    adds :meth:`free_bytes` back to the free memory it reads.
+    adds :meth:`free_bytes` back to the free memory it reads.  With :attr:`keep` off
+    (the memory plan has no room for it), :meth:`take` drops the pooled buffers and
+    hands out a fresh one that the pool does not keep.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
         #: How many :meth:`take` calls were served by an existing buffer.
         self.reused = 0
+        #: Whether :meth:`take` keeps its buffer for the next call.
+        self.keep = True
         # Optimizers in several threads may share a pool: check and hand out atomically.
         self._lock = threading.Lock()
 
@@ -168,6 +172,9 @@ class BufferPool:
             return self._take((tuple(int(s) for s in shape), dtype, torch.device(device)))
 
     def _take(self, key: tuple[tuple[int, ...], torch.dtype, torch.device]) -> Tensor:
+        if not self.keep:
+            self._buffers.clear()
+            return torch.empty(key[0], dtype=key[1], device=key[2])
         buf = self._buffers.get(key)
         if buf is not None and _storage_users(buf) == 1:
             self.reused += 1

@@ -126,6 +126,9 @@ class MemoryPlan:
         available_source: where ``available_bytes`` came from.
         fits: ``peak_bytes <= available_bytes`` and the slice respects the budget.
         advice: options that would fit, when this plan does not.
+        pooled_rows: whether J's rows stay in a buffer reused by the next step.  The
+            pool never costs a smaller slice or another solver: it is planned only
+            where its buffer fits beside the chosen configuration.
     """
 
     parameters: int
@@ -144,6 +147,7 @@ class MemoryPlan:
     available_source: str
     fits: bool
     advice: tuple[str, ...] = ()
+    pooled_rows: bool = False
 
     def stage(self, name: str) -> int:
         """Bytes of the stage called ``name`` (0 when the step has no such stage)."""
@@ -414,8 +418,8 @@ def _fit(
     per_sample = not shape.jacobian.startswith("batch")
     chunk = slice_size if not per_sample else None
 
-    def build(s: int) -> MemoryPlan:
-        stages, lin, sol = estimate(shape, solver, dual, s, chunk)
+    def build(s: int, pooled: bool = False) -> MemoryPlan:
+        stages, lin, sol = estimate(shape, solver, dual, s, chunk, pooled)
         peak = max(lin, sol)
         ok = available is None or peak <= available
         if peaks is not None and available is not None:
@@ -436,12 +440,22 @@ def _fit(
             available_bytes=available,
             available_source=source,
             fits=ok,
+            pooled_rows=pooled,
         )
 
+    def final(s: int) -> MemoryPlan:
+        # Keep J's buffer for the next step only where it fits beside this plan.
+        plan = build(s)
+        if plan.fits:
+            with_pool = build(s, pooled=True)
+            if with_pool.fits:
+                return with_pool
+        return plan
+
     if not per_sample:
-        return build(shape.samples)
+        return final(shape.samples)
     if slice_size is not None:
-        return build(min(slice_size, shape.samples))
+        return final(min(slice_size, shape.samples))
 
     def good(s: int) -> bool:
         plan = build(s)
@@ -452,14 +466,14 @@ def _fit(
     # slice that respects the budget and fits.
     lo, hi = 1, shape.samples
     if good(hi):
-        return build(hi)
+        return final(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if good(mid):
             lo = mid
         else:
             hi = mid
-    return build(lo)
+    return final(lo)
 
 
 def _advice(

@@ -74,6 +74,8 @@ class BatchSetup:
         gram_chunk: with a float64 ``gram_dtype`` and a float32 J, the rows of each
             float32 product the Gram is summed from (:func:`~secondorder.lm.linalg.gram_update`);
             ``None``: J is converted to float64.
+        pool_rows: whether J's rows go into a buffer kept for the next step (the
+            memory plan's ``pooled_rows``).
     """
 
     inputs: Any
@@ -86,6 +88,7 @@ class BatchSetup:
     gram_dtype: torch.dtype | None
     dual_scale: bool
     gram_chunk: int | None = None
+    pool_rows: bool = True
 
 
 @dataclass
@@ -278,6 +281,8 @@ class ModelProblem:
         )
         store = self.store_rows
         points = self.function.points(x)
+        for replica in self.replicas:
+            replica.program.rows_pool.keep = self.setup.pool_rows
         with self.function.frozen():
             for k, inputs, targets in group.stage(self.slices()):
                 with group.on(k):
@@ -303,6 +308,9 @@ class ModelProblem:
                     sums.col_sq += group.gather(part_col)
                     sums.jacs.append(group.gather(J))
                     sums.res.append(group.gather(r))
+                # Let go of this slice's rows before the next is computed: the
+                # outer-product rule then writes that one into the same pooled buffer.
+                del J, r
         return sums
 
     def _zero_sums(self, x: Tensor) -> _Sums:

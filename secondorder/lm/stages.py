@@ -65,11 +65,6 @@ def _jacobian_slice(
     copy = slice_rows * n * g if gram and shape.converts else 0
     work = max(2 * j1, j1 + copy)  # the strategy's blocks and their flattened copy
     detail = f"{slice_rows:,} rows × {n:,} × {b} B, ×2 while flattened"
-    if gram and several:
-        # The previous slice (and its copy in the Gram's dtype) is still referenced
-        # while the next one is computed.
-        work = 2 * j1 + j1 + copy
-        detail += ", + the previous slice"
     if shape.jacobian == "reverse":
         extra = s * (1 + k) * a * b
         if a:
@@ -118,9 +113,17 @@ def _factorisation(shape: StepShape, solver: str, dual: bool, mm: int) -> Stage:
 
 
 def estimate(
-    shape: StepShape, solver: str, dual: bool, slice_size: int, chunk: int | None
+    shape: StepShape,
+    solver: str,
+    dual: bool,
+    slice_size: int,
+    chunk: int | None,
+    pooled: bool = False,
 ) -> tuple[tuple[Stage, ...], int, int]:
-    """Stages and the two phase peaks (linearise, solve) of one resolved configuration."""
+    """Stages and the two phase peaks (linearise, solve) of one resolved configuration.
+
+    ``pooled``: J's rows are kept in a pooled buffer from one step to the next.
+    """
     n, b, g = shape.n, shape.b, shape.g
     store = dual or solver in ("qr", "cg")
     gram = not store
@@ -157,8 +160,9 @@ def estimate(
     stages.append(Stage("trial", trial, "residuals and activations of one slice"))
     # The outer-product rule ("reverse") writes a slice's rows into a pooled buffer that
     # outlives the linearisation; stored rows of one slice are that buffer itself.
-    pooled = part.j1 if shape.jacobian == "reverse" and (gram or part.several) else 0
-    stages.append(Stage("pooled rows", pooled, "the last slice's J, kept for the next step"))
+    kept = part.j1 if pooled and shape.jacobian == "reverse" and (gram or part.several) else 0
+    detail = "the last slice's J, kept for the next step" if kept else "none kept"
+    stages.append(Stage("pooled rows", kept, detail))
 
     # After linearising, the step checks J (or the Gram) for non-finite entries:
     # |x| and three boolean masks, measured at itemsize + 3 bytes per entry.
@@ -178,5 +182,5 @@ def estimate(
             linearize = max(linearize, gram_bytes + slice_peak)
     linearize = vectors + max(linearize, gram_bytes + rows_bytes + checked)
     solve = vectors + gram_bytes + rows_bytes + dual_bytes + factor.bytes + cg_bytes + trial
-    solve += pooled
+    solve += kept
     return tuple(stages), linearize, solve

@@ -110,3 +110,22 @@ def test_the_plan_counts_the_pooled_rows_as_free() -> None:
     plan = opt.plan(x, torch.sinc(5 * x))
     assert plan.available_bytes is not None and plan.available_bytes >= pooled
     assert "J's pooled rows" in plan.available_source
+
+
+def test_a_memory_limit_without_room_for_the_kept_rows_turns_the_pool_off() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.linspace(-1, 1, 100).unsqueeze(1)
+    y = torch.sinc(5 * x)
+    kw = {"jacobian": "reverse", "solver": "cholesky", "form": "primal"}
+    roomy = so.LevenbergMarquardt(model, **kw).plan(x, y)
+    assert roomy.pooled_rows and roomy.stage("pooled rows") == 100 * 193 * 4
+    bare_peak = max(roomy.linearize_bytes, roomy.solve_bytes - roomy.stage("pooled rows"))
+    assert bare_peak < roomy.peak_bytes
+    opt = so.LevenbergMarquardt(model, memory_limit=bare_peak, **kw)
+    pool = opt._function.program.rows_pool
+    for _ in range(3):
+        opt.step(x, y)
+        assert opt.memory_plan is not None and not opt.memory_plan.pooled_rows
+        assert opt.memory_plan.slice_size == 100
+        assert pool.free_bytes("cpu") == 0 and pool.reused == 0

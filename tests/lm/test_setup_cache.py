@@ -350,7 +350,7 @@ def test_unhashable_leaves_are_probed_every_time():
 
 def test_the_plan_follows_the_batch_shape_and_equals_a_fresh_plan():
     model = mlp()
-    limit = 100_000  # slices a batch of 64 (to 20 samples), not one of 9 or 33
+    limit = 100_000  # slices a batch of 64 (to 30 samples), not one of 9 or 33
     opt = so.LevenbergMarquardt(model, memory_limit=limit, form="primal")
     slices = {}
     for size in (64, 9, 64, 9, 33):
@@ -360,7 +360,7 @@ def test_the_plan_follows_the_batch_shape_and_equals_a_fresh_plan():
         assert opt.memory_plan == fresh
         assert opt.memory_plan is not None and opt.memory_plan.samples == size
         slices[size] = opt.memory_plan.slice_size
-    assert slices == {64: 20, 9: 9, 33: 33}
+    assert slices == {64: 30, 9: 9, 33: 33}
     assert len(opt._choices.plans) == 3
     # plan() on a kept shape returns the kept plan.
     x, y = batch(64, 0)
@@ -381,8 +381,8 @@ PLAN_ARGS: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("parameters", "samples", "available", "solver", "slice_size"),
     [
-        (500, 4096, 12_000_000, "cholesky", 49),
-        (500, 4096, 30_000_000, "cholesky", 139),
+        (500, 4096, 12_000_000, "cholesky", 83),
+        (500, 4096, 30_000_000, "cholesky", 233),
         (500, 4096, 10**12, "cholesky", 4096),
         (5000, 256, 500_000_000, "cg", 256),  # the Gram does not fit: CG
     ],

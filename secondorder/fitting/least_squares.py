@@ -39,12 +39,15 @@ from ..lm.linalg import NormalEquations, make_solver
 from .bounds import BoxTransform, parse_bounds
 from .functions import (
     CallCounter,
+    NumpyDifference,
     check_sparsity,
     flat_residuals,
     jacobian_function,
+    numpy_residuals,
     output_eps,
     residual_function,
 )
+from .host import HostQRSolver
 from .losses import LOSSES, check_loss_output, rho
 from .problem import FunctionProblem, is_finite_system
 from .result import MESSAGES, OptimizeResult
@@ -554,6 +557,10 @@ def _build_problem(
         takes_residuals=True,
     )
     problem.differences = differences
+    if numpy_fun and not transform.any:
+        # x = y: the NumPy fun (and its differences) called on arrays, no adapter.
+        host_jac = jac.of_arrays if isinstance(jac, NumpyDifference) else None
+        problem.on_host(numpy_residuals(counter, args, kwargs, owned=True), host_jac)
     problem.remember(y_start, f0)
     return problem
 
@@ -671,6 +678,9 @@ def _first_system(problem: FunctionProblem, y: Tensor) -> NormalEquations:
 
 
 def _make_solver(opts: _Options) -> Any:
+    if opts.linear_solver == "qr":
+        # A few parameters: QR's solves on the host (NumPy), LAPACK without wrappers.
+        return HostQRSolver()
     options = opts.tr_options or {}
     tols = [float(options[k]) for k in ("atol", "btol") if k in options]
     return make_solver(

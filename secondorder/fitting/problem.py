@@ -103,6 +103,28 @@ class FunctionProblem:
         self.base: tuple[Tensor, Tensor, Tensor] | None = None
         self.row_scale: Tensor | None = None
         self.extra_rows = 0
+        #: NumPy residuals and Jacobian of a fit of a few parameters (set by the builder
+        #: through :meth:`on_host`), else ``None``.
+        self.host_fun: Callable[[np.ndarray], np.ndarray] | None = None
+        self.host_jac: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+
+    def on_host(
+        self,
+        fun: Callable[[np.ndarray], np.ndarray],
+        jac: Callable[[np.ndarray, np.ndarray], np.ndarray] | None,
+    ) -> None:
+        """Evaluate a NumPy ``fun`` (and its difference Jacobian ``jac``) on arrays.
+
+        ``fun``: the same residuals as the adapter ``self.fun`` on a NumPy ``x``, flat
+        float64, counted, owned by the caller; ``jac(x, f(x))``: the same J as
+        ``self.jac`` on arrays.  Only for a fit without bounds or scaling (x = y): the
+        point then goes to the user's function as it is, with no tensor made or read
+        around each call.  With a linear loss and a few parameters the normal equations
+        are formed from these arrays too.
+        """
+        if self.bounds.any:
+            raise ValueError("on_host: the host path takes no bounds or x_scale (x must be y)")
+        self.host_fun, self.host_jac = fun, jac
 
     def cost2(self, f: Tensor) -> Tensor:
         """``2·cost = f_scale² Σ ρ((f/f_scale)²)`` of residuals ``f``."""
@@ -128,11 +150,15 @@ class FunctionProblem:
                 return self.last[1]
         if self.base is not None and torch.equal(self.base[0], y):
             return self.base[1]
-        # Values only: a fun closing over tensors that require grad must not drag a
-        # graph along (autograd is used inside the Jacobian transforms alone).
-        f = self.fun(self.bounds.to_x(y))
-        if f.requires_grad:
-            f = f.detach()
+        if self.host_fun is not None:
+            # A NumPy fun and x = y: the point as an array, no adapter around the call.
+            f = torch.from_numpy(self.host_fun((y.detach() if y.requires_grad else y).numpy()))
+        else:
+            # Values only: a fun closing over tensors that require grad must not drag a
+            # graph along (autograd is used inside the Jacobian transforms alone).
+            f = self.fun(self.bounds.to_x(y))
+            if f.requires_grad:
+                f = f.detach()
         self.last = (y.clone(), f)
         self._last_seen = (y, y._version)
         return f
@@ -160,7 +186,7 @@ class FunctionProblem:
         """
         J = self.jacobian(y, f)
         if self._plain_host(J, f):
-            return self._host_system(J, f)
+            return self._host_system(J.numpy(), f.numpy(), J, f)
         r, Js = self._robust_rows(f, J)
         scale_sq = None if self.row_scale is None else (J * J).sum(0)
         self.extra_rows = 0
@@ -179,6 +205,8 @@ class FunctionProblem:
 
     def _plain_host(self, J: Tensor, f: Tensor) -> bool:
         """A few float64 CPU columns, the linear loss, no bounds: NumPy forms the system."""
+        if self.host_jac is not None and isinstance(self.loss, str) and self.loss == "linear":
+            return J.shape[1] <= HOST_MAX_N  # host arrays: float64, 2-D, no bounds
         return (
             not self.bounds.any
             and isinstance(self.loss, str)
@@ -190,7 +218,7 @@ class FunctionProblem:
             and f.is_cpu
         )
 
-    def _host_system(self, J: Tensor, f: Tensor) -> NormalEquations:
+    def _host_system(self, j: np.ndarray, r: np.ndarray, J: Tensor, f: Tensor) -> NormalEquations:
         """:meth:`linearize`'s system in NumPy: the same products, no torch call per vector.
 
         For a few parameters each torch operation costs more in dispatch than its
@@ -200,7 +228,6 @@ class FunctionProblem:
         """
         self.row_scale = None
         self.extra_rows = 0
-        j, r = J.numpy(), f.numpy()
         # vdot raises no floating-point warning (an overflow is inf, as in torch; the
         # caller checks finiteness); the products would, so they get a guard.
         loss = np.asarray(np.vdot(r, r))
@@ -224,11 +251,15 @@ class FunctionProblem:
         if self.base is not None and torch.equal(self.base[0], y):
             return self.base[2]
         self.njev += 1
-        x = self.bounds.to_x(y)
-        jac: Any = self.jac
-        J = jac(x, f) if self.takes_residuals else jac(x)
-        if J.requires_grad:
-            J = J.detach()
+        if self.host_jac is not None:
+            yn = (y.detach() if y.requires_grad else y).numpy()
+            J = torch.from_numpy(self.host_jac(yn, f.numpy()))
+        else:
+            x = self.bounds.to_x(y)
+            jac: Any = self.jac
+            J = jac(x, f) if self.takes_residuals else jac(x)
+            if J.requires_grad:
+                J = J.detach()
         self.base = (y.clone(), f.detach() if f.requires_grad else f, J)
         return J
 

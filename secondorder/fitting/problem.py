@@ -37,7 +37,7 @@ def is_finite_system(system: NormalEquations) -> bool:
     no step could survive either).
     """
     parts = [system.grad, system.col_sq]
-    if all(t.is_cpu and t.dtype == torch.float64 for t in parts):
+    if system.host is not None or all(t.is_cpu and t.dtype == torch.float64 for t in parts):
         # Host tensors (every fit of a few parameters).  The engine reads the system's
         # scalars next (finite loss, Jᵀr and column norms, kept once read): read them
         # now, and scan the vectors here only when the loss alone may be what is not.
@@ -48,6 +48,11 @@ def is_finite_system(system: NormalEquations) -> bool:
             return False
         return bool(np.isfinite(parts[0].numpy()).all() and np.isfinite(parts[1].numpy()).all())
     return bool(torch.isfinite(parts[0]).all() & torch.isfinite(parts[1]).all())  # one read
+
+
+def _same_point(key: Tensor, version: int, y: Tensor) -> bool:
+    """Whether ``y`` is the point ``key`` was when its version counter read ``version``."""
+    return key._version == version and (key is y or torch.equal(key, y))
 
 
 class FunctionProblem:
@@ -96,11 +101,15 @@ class FunctionProblem:
         self.njev = 0
         #: whether the Jacobian comes from finite differences (set by the builder).
         self.differences = False
+        #: ``last`` and ``base`` hold their points as given, not copied: each is kept
+        #: with its version counter, so a point modified in place since is never taken
+        #: for the one evaluated (the engine makes a new tensor for every point).
         self.last: tuple[Tensor, Tensor] | None = None
-        #: The tensor last evaluated and its version counter: the same object, not
-        #: modified in place since, needs no comparison of values.
-        self._last_seen: tuple[Tensor, int] | None = None
+        self._last_version = 0
         self.base: tuple[Tensor, Tensor, Tensor] | None = None
+        self._base_version = 0
+        #: The base's J as a NumPy array, on the host path.
+        self._base_jac: np.ndarray | None = None
         self.row_scale: Tensor | None = None
         self.extra_rows = 0
         #: NumPy residuals and Jacobian of a fit of a few parameters (set by the builder
@@ -137,19 +146,17 @@ class FunctionProblem:
 
     def remember(self, y: Tensor, f: Tensor) -> None:
         """Record ``f = f(x(y))`` computed elsewhere (the first call of ``fun``)."""
-        self.last = (y.clone(), f.detach())
-        self._last_seen = None
+        self.last = (y, f.detach())
+        self._last_version = y._version
 
     def residuals(self, y: Tensor) -> Tensor:
         """``f(x(y))``, flat float64, detached; the last point and the base are free."""
-        if self.last is not None:
-            seen = self._last_seen
-            if seen is not None and seen[0] is y and seen[1] == y._version:
-                return self.last[1]
-            if torch.equal(self.last[0], y):
-                return self.last[1]
-        if self.base is not None and torch.equal(self.base[0], y):
-            return self.base[1]
+        last = self.last
+        if last is not None and _same_point(last[0], self._last_version, y):
+            return last[1]
+        base = self.base
+        if base is not None and _same_point(base[0], self._base_version, y):
+            return base[1]
         if self.host_fun is not None:
             # A NumPy fun and x = y: the point as an array, no adapter around the call.
             f = torch.from_numpy(self.host_fun((y.detach() if y.requires_grad else y).numpy()))
@@ -159,8 +166,8 @@ class FunctionProblem:
             f = self.fun(self.bounds.to_x(y))
             if f.requires_grad:
                 f = f.detach()
-        self.last = (y.clone(), f)
-        self._last_seen = (y, y._version)
+        self.last = (y, f)
+        self._last_version = y._version
         return f
 
     def loss_sum(self, y: Tensor) -> Tensor | float:
@@ -186,7 +193,10 @@ class FunctionProblem:
         """
         J = self.jacobian(y, f)
         if self._plain_host(J, f):
-            return self._host_system(J.numpy(), f.numpy(), J, f)
+            jn = self._base_jac
+            assert self.base is not None
+            j = jn if jn is not None and self.base[2] is J else J.numpy()
+            return self._host_system(j, f.numpy(), J, f)
         r, Js = self._robust_rows(f, J)
         scale_sq = None if self.row_scale is None else (J * J).sum(0)
         self.extra_rows = 0
@@ -248,20 +258,28 @@ class FunctionProblem:
 
     def jacobian(self, y: Tensor, f: Tensor) -> Tensor:
         """The raw ``J(x(y))`` (in ``x``), with ``f = f(x(y))``; the base's is free."""
-        if self.base is not None and torch.equal(self.base[0], y):
+        if self._is_base(y):
+            assert self.base is not None
             return self.base[2]
         self.njev += 1
         if self.host_jac is not None:
             yn = (y.detach() if y.requires_grad else y).numpy()
-            J = torch.from_numpy(self.host_jac(yn, f.numpy()))
+            jn = self.host_jac(yn, f.numpy())
+            J = torch.from_numpy(jn)
         else:
+            jn = None
             x = self.bounds.to_x(y)
             jac: Any = self.jac
             J = jac(x, f) if self.takes_residuals else jac(x)
             if J.requires_grad:
                 J = J.detach()
-        self.base = (y.clone(), f.detach() if f.requires_grad else f, J)
+        self.base = (y, f.detach() if f.requires_grad else f, J)
+        self._base_version, self._base_jac = y._version, jn
         return J
+
+    def _is_base(self, y: Tensor) -> bool:
+        base = self.base
+        return base is not None and _same_point(base[0], self._base_version, y)
 
     def _robust_rows(self, f: Tensor, J: Tensor) -> tuple[Tensor, Tensor]:
         """Triggs' rescaled ``(r, Js)`` for a robust loss (``(f, J)`` for the linear one)."""
@@ -333,5 +351,5 @@ class FunctionProblem:
         h = torch.finfo(y.dtype).eps ** 0.25 * max(1.0, float(torch.linalg.vector_norm(y)))
         t = h / vnorm
         # f(y) is the linearisation point's, already known: two calls, not three.
-        centre = self.base[1] if self.base is not None and torch.equal(self.base[0], y) else f(y)
+        centre = self.base[1] if self.base is not None and self._is_base(y) else f(y)
         return ((f(y + t * v) - 2.0 * centre + f(y - t * v)) / (t * t)).detach()

@@ -227,3 +227,42 @@ def test_least_squares_through_arrays_is_bitwise_the_adapter_run(
     ref = scipy.optimize.least_squares(_thurber, x0, **kw)
     assert fast.cost == pytest.approx(ref.cost, rel=1e-8)
     np.testing.assert_allclose(fast.x, ref.x, rtol=1e-5)
+
+
+def test_a_point_modified_in_place_after_its_evaluation_is_evaluated_again() -> None:
+    # The problem keeps the points it evaluated without copying them: a point changed in
+    # place since must not be answered with the residuals of its old values.
+    calls: list[np.ndarray] = []
+
+    def fun(x: np.ndarray) -> np.ndarray:
+        calls.append(x.copy())
+        return np.array([x[0] - 1.0, 2.0 * x[1], x[0] * x[1]])
+
+    counter = CallCounter(fun)
+    problem = FunctionProblem(
+        lambda t: torch.from_numpy(fun(t.numpy())),
+        lambda t, f0=None: torch.zeros(3, 2, dtype=F64),
+        BoxTransform(*parse_bounds(None, 2)),
+        "linear",
+        1.0,
+        need_gram=False,
+        differentiable=False,
+        counter=counter,
+    )
+    problem.on_host(numpy_residuals(counter, (), {}, owned=True), None)
+    y = torch.tensor([3.0, 4.0], dtype=F64)
+    first = problem.residuals(y)
+    assert problem.residuals(y) is first and len(calls) == 1  # the same point: free
+    assert problem.residuals(y.clone()) is first and len(calls) == 1  # equal values: free
+    y[1] = 5.0
+    again = problem.residuals(y)
+    assert len(calls) == 2 and np.array_equal(again.numpy(), fun(np.array([3.0, 5.0])))
+    assert np.array_equal(first.numpy(), [2.0, 8.0, 12.0])  # the old residuals untouched
+    # The base (the linearisation point) likewise.
+    problem.linearize(y, again)
+    assert problem.base is not None and problem.jacobian(y, again) is problem.base[2]
+    y[0] = 0.5
+    problem.residuals(y)
+    assert problem.njev == 1
+    problem.jacobian(y, problem.residuals(y))
+    assert problem.njev == 2

@@ -92,6 +92,8 @@ class _LeanHostSVD(_HostSVD):
 
     #: LAPACK's ``gesv`` for one right-hand side (NumPy's ``solve1`` gufunc).
     _solve1: Any
+    #: Whether R0 has a zero on its diagonal (read at the first Gauss-Newton step).
+    _singular: bool | None
 
     @classmethod
     def build(cls, j: np.ndarray, r: np.ndarray, d: np.ndarray, finite: bool) -> _LeanHostSVD:
@@ -132,11 +134,14 @@ class _LeanHostSVD(_HostSVD):
         self._c = self._sc = self._qw = np.zeros(0)
         self._safe = False
         self._solve1 = _LAPACK.solve1
+        self._singular = None
         return self
 
     def _gauss_newton(self) -> np.ndarray | None:
         r0 = self.r0
-        if not (np.diagonal(r0) != 0).all():
+        if self._singular is None:
+            self._singular = not bool((r0.diagonal() != 0).all())
+        if self._singular:
             return None
         # Back substitution: LU's pivoting keeps an upper triangle's rows, and a nonzero
         # diagonal cannot fail.  Called inside solve_scaled's error-state guard.

@@ -266,3 +266,29 @@ def test_a_point_modified_in_place_after_its_evaluation_is_evaluated_again() -> 
     assert problem.njev == 1
     problem.jacobian(y, problem.residuals(y))
     assert problem.njev == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_more_floor_at_the_smallest_damping_equals_the_array_expression(seed: int) -> None:
+    # At λ = damping_min only unusable columns (zero, subnormal, not finite) are floored;
+    # the fast path for a D whose columns are all usable must give the same D.
+    from secondorder.lm.damping import DampingState, MoreMatrix
+
+    rng = np.random.default_rng(seed)
+    matrix, state = MoreMatrix(), DampingState(damping=0.0)
+    tiny = float(np.finfo(np.float64).tiny)
+    specials = [0.0, tiny / 4, tiny, math.inf, math.nan, 1e308]
+    for _ in range(200):
+        d = np.abs(rng.standard_normal(int(rng.integers(1, 10)))) * 10.0 ** rng.integers(-300, 300)
+        if rng.random() < 0.5:
+            d[rng.integers(d.size)] = specials[int(rng.integers(len(specials)))]
+        got = matrix._floored_host(d, state, 0.0)
+        usable = np.isfinite(d) & (d >= tiny)
+        largest = float(np.where(usable, d, 0.0).max())
+        ref = (
+            np.where(usable, d, max(largest * matrix.floor, tiny))
+            if largest > 0
+            else np.ones(d.size)
+        )
+        assert got.tobytes() == ref.tobytes(), d
+        assert got is not d

@@ -8,7 +8,10 @@ two settings:
   (``--jac``, default ``"auto"``); scipy gets a ``jac`` callable that runs *the same*
   torch transform (:func:`secondorder.fitting.functions.jacobian_function`) and
   returns a NumPy array, so a Jacobian costs both sides the same and the difference is
-  what each does around it.  Scipy's time inside that callable is printed too.
+  what each does around it.  Scipy's time inside that callable is printed too.  In
+  reverse mode (``"auto"`` here) ours evaluates each trial point by ``torch.func.vjp``
+  and takes an accepted point's J from that forward pass, which two separate
+  callables cannot share: its Jacobians then cost less than scipy's callable.
   ``--jac fwd`` is the setting issue 17 first measured (``jacfwd`` on both sides).
 * **(b) finite differences.**  NumPy residuals, no ``jac``: scipy's MINPACK (``lmdif``)
   differences in Fortran, ours with its ``"2-point"`` scheme (MINPACK's step under

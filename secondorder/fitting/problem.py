@@ -116,6 +116,12 @@ class FunctionProblem:
         #: through :meth:`on_host`), else ``None``.
         self.host_fun: Callable[[np.ndarray], np.ndarray] | None = None
         self.host_jac: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+        #: The user's torch fun for fused evaluations (:meth:`fuse`), the identity that
+        #: pulls back every residual, and the last evaluated point with its version
+        #: and its pullback.
+        self._fused: Callable[[Tensor], Tensor] | None = None
+        self._eye: Tensor | None = None
+        self._pullback: tuple[Tensor, int, Callable[..., Any]] | None = None
 
     def on_host(
         self,
@@ -134,6 +140,38 @@ class FunctionProblem:
         if self.bounds.any:
             raise ValueError("on_host: the host path takes no bounds or x_scale (x must be y)")
         self.host_fun, self.host_jac = fun, jac
+
+    def fuse(self, fun: Callable[[Tensor], Tensor], m: int) -> None:
+        """Take residuals by ``torch.func.vjp`` and a point's J from that evaluation.
+
+        ``fun``: the user's torch ``fun`` of ``x`` alone, ``m`` flat float64 residuals,
+        differentiated in reverse mode.  Every residual evaluation records its forward
+        pass; when the point is then accepted, J is the pullback of the identity
+        (``vmap(vjp_fn)(I)``, what ``jacrev`` computes after its own forward pass), so
+        the Jacobian costs no call of ``fun``: on NIST's problems ``jacrev`` spends
+        about a third of its time in that forward pass and its own bookkeeping.  Only
+        without bounds or scaling (x = y).
+        """
+        if self.bounds.any:
+            raise ValueError("fuse: fused evaluations take no bounds or x_scale (x must be y)")
+        self._fused, self._eye = fun, torch.eye(m, dtype=torch.float64)
+
+    def _fused_residuals(self, y: Tensor) -> Tensor | None:
+        """``f(y)`` by ``vjp``, its pullback kept; ``None``: take the plain call instead."""
+        assert self._fused is not None and self._eye is not None
+        self.counter.calls += 1  # a value call (nfev), whatever follows
+        try:
+            out, pullback = torch.func.vjp(self._fused, y)[:2]
+        except RuntimeError:
+            # Residuals torch.func refuses: the adapter calls fun again and names the fault.
+            self._pullback = None
+            return None
+        m = self._eye.shape[0]
+        if not (isinstance(out, Tensor) and out.dtype == torch.float64 and out.shape == (m,)):
+            self._pullback = None
+            return None
+        self._pullback = (y, y._version, pullback)
+        return out.detach() if out.requires_grad else out
 
     def cost2(self, f: Tensor) -> Tensor:
         """``2·cost = f_scale² Σ ρ((f/f_scale)²)`` of residuals ``f``."""
@@ -161,11 +199,15 @@ class FunctionProblem:
             # A NumPy fun and x = y: the point as an array, no adapter around the call.
             f = torch.from_numpy(self.host_fun((y.detach() if y.requires_grad else y).numpy()))
         else:
-            # Values only: a fun closing over tensors that require grad must not drag a
-            # graph along (autograd is used inside the Jacobian transforms alone).
-            f = self.fun(self.bounds.to_x(y))
-            if f.requires_grad:
-                f = f.detach()
+            fused = None if self._fused is None else self._fused_residuals(y)
+            if fused is not None:
+                f = fused
+            else:
+                # Values only: a fun closing over tensors that require grad must not drag
+                # a graph along (autograd is used inside the Jacobian transforms alone).
+                f = self.fun(self.bounds.to_x(y))
+                if f.requires_grad:
+                    f = f.detach()
         self.last = (y, f)
         self._last_version = y._version
         return f
@@ -268,14 +310,28 @@ class FunctionProblem:
             J = torch.from_numpy(jn)
         else:
             jn = None
-            x = self.bounds.to_x(y)
-            jac: Any = self.jac
-            J = jac(x, f) if self.takes_residuals else jac(x)
+            pulled = self._pulled_back(y)
+            if pulled is not None:
+                J = pulled
+            else:
+                x = self.bounds.to_x(y)
+                jac: Any = self.jac
+                J = jac(x, f) if self.takes_residuals else jac(x)
             if J.requires_grad:
                 J = J.detach()
         self.base = (y, f.detach() if f.requires_grad else f, J)
         self._base_version, self._base_jac = y._version, jn
         return J
+
+    def _pulled_back(self, y: Tensor) -> Tensor | None:
+        """J at ``y`` from the pullback its fused evaluation kept, else ``None``."""
+        kept, self._pullback = self._pullback, None
+        if kept is None or not _same_point(kept[0], kept[1], y):
+            return None
+        assert self._eye is not None
+        J: Tensor = torch.func.vmap(kept[2])(self._eye)[0]
+        m = self._eye.shape[0]
+        return J if J.dtype == torch.float64 and J.shape == (m, y.numel()) else None
 
     def _is_base(self, y: Tensor) -> bool:
         base = self.base

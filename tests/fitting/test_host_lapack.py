@@ -292,3 +292,77 @@ def test_more_floor_at_the_smallest_damping_equals_the_array_expression(seed: in
         )
         assert got.tobytes() == ref.tobytes(), d
         assert got is not d
+
+
+def _torch_decay(x: torch.Tensor) -> torch.Tensor:
+    t = torch.linspace(0.0, 4.0, 30, dtype=F64)
+    return x[0] * torch.exp(-x[1] * t) + x[2] * t - torch.cos(t)
+
+
+def _fused_problem(fun: Any, m: int, n: int) -> tuple[FunctionProblem, CallCounter]:
+    from secondorder.fitting.functions import jacobian_function, residual_function
+
+    counter = CallCounter(fun)
+    residuals = residual_function(counter, (), {}, numpy_fun=False)
+    jac = jacobian_function(
+        "rev", residuals, numpy_fun=False, shape=(m, n), args=(), kwargs={}, counter=counter
+    )
+    problem = FunctionProblem(
+        residuals,
+        jac,
+        BoxTransform(*parse_bounds(None, n)),
+        "linear",
+        1.0,
+        need_gram=False,
+        differentiable=True,
+        counter=counter,
+        takes_residuals=True,
+    )
+    problem.fuse(fun, m)
+    return problem, counter
+
+
+def test_a_fused_evaluation_gives_jacrevs_jacobian_without_calling_fun() -> None:
+    problem, counter = _fused_problem(_torch_decay, 30, 3)
+    y = torch.tensor([2.0, 0.7, -0.1], dtype=F64)
+    f = problem.residuals(y)
+    assert torch.equal(f, _torch_decay(y)) and counter.calls == 1
+    J = problem.jacobian(y, f)
+    assert counter.calls == 1 and problem.njev == 1 and problem.nfev == 1
+    assert torch.equal(J, torch.func.jacrev(_torch_decay)(y))
+    # The pullback serves its own point once: another point, or this one modified in
+    # place, is differentiated by the transform (one call of fun inside it).
+    z = torch.tensor([1.0, 0.3, 0.2], dtype=F64)
+    fz = problem.residuals(z)
+    z[0] = 1.5
+    Jz = problem.jacobian(z, _torch_decay(z))
+    assert torch.equal(Jz, torch.func.jacrev(_torch_decay)(z))
+    assert counter.calls == 3 and counter.jacobian_calls == 1 and problem.nfev == 2
+    assert not torch.equal(fz, _torch_decay(z))  # the residuals kept are those of z then
+
+
+def test_a_fused_evaluation_that_torch_func_refuses_takes_the_plain_call() -> None:
+    def numpy_inside(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(x.detach().numpy() ** 2 - 1.0))
+
+    problem, counter = _fused_problem(numpy_inside, 3, 3)
+    y = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
+    f = problem.residuals(y)  # vjp refuses the NumPy round trip: the adapter's call
+    assert torch.equal(f, torch.tensor([0.0, 3.0, 8.0], dtype=F64))
+    assert counter.calls == 2 and problem._pullback is None
+
+
+def test_fused_evaluations_refuse_bounds() -> None:
+    bounds = BoxTransform(*parse_bounds(([0.0, 0.0], [1.0, 1.0]), 2))
+    problem = FunctionProblem(
+        lambda x: x,
+        lambda x, f0=None: torch.eye(2, dtype=F64),
+        bounds,
+        "linear",
+        1.0,
+        need_gram=False,
+        differentiable=True,
+        takes_residuals=True,
+    )
+    with pytest.raises(ValueError, match="fused evaluations take no bounds or x_scale"):
+        problem.fuse(lambda x: x, 2)

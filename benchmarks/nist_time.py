@@ -8,7 +8,10 @@ two settings:
   (``--jac``, default ``"auto"``); scipy gets a ``jac`` callable that runs *the same*
   torch transform (:func:`secondorder.fitting.functions.jacobian_function`) and
   returns a NumPy array, so a Jacobian costs both sides the same and the difference is
-  what each does around it.  Scipy's time inside that callable is printed too.
+  what each does around it.  Scipy's time inside that callable is printed too.  In
+  reverse mode (``"auto"`` here) ours evaluates each trial point by ``torch.func.vjp``
+  and takes an accepted point's J from that forward pass, which two separate
+  callables cannot share: its Jacobians then cost less than scipy's callable.
   ``--jac fwd`` is the setting issue 17 first measured (``jacfwd`` on both sides).
 * **(b) finite differences.**  NumPy residuals, no ``jac``: scipy's MINPACK (``lmdif``)
   differences in Fortran, ours with its ``"2-point"`` scheme (MINPACK's step under
@@ -26,7 +29,11 @@ Run with::
 
     PYTHONPATH=$PWD python -m benchmarks.nist_time [--quick] [--rounds 5] [--threads 1]
         [--names Misra1a MGH10] [--table] [--jac auto|fwd|rev] [--settings exact fd]
-        [--base DIR]
+        [--base DIR] [--clock wall|process]
+
+``--clock process`` times this process's CPU time instead of the wall clock: on a
+machine shared with other jobs, time spent descheduled is then left out (both sides
+alike); cache and frequency effects of the other jobs remain.
 """
 
 from __future__ import annotations
@@ -95,12 +102,14 @@ def run_once(
     side: str,
     jac: str = "auto",
     package: ModuleType | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float, int, float]:
     """One timed fit: ``(seconds, lre, nfev, seconds inside scipy's jac)``.
 
     ``jac``: the torch transform both sides use in setting (a): ``"auto"``, ``"fwd"``
     or ``"rev"``.  ``side``: ``"scipy"``, or ``"ours"`` run by ``package`` (default
-    this ``secondorder``; ``--base`` passes the older copy).
+    this ``secondorder``; ``--base`` passes the older copy).  ``clock``: wall time
+    (``time.perf_counter``) or this process's CPU time (``time.process_time``).
     """
     x0 = p.starts[start - 1]
     tight = {"ftol": TOL, "xtol": TOL, "gtol": TOL, "max_nfev": MAX_NFEV, "method": "lm"}
@@ -113,9 +122,9 @@ def run_once(
         else:
             fun, start_point = p.numpy_residuals(), np.array(x0, dtype=np.float64)
         with np.errstate(all="ignore"):  # a NumPy fun overflowing at a rejected trial point
-            t0 = time.perf_counter()
+            t0 = clock()
             res = (package or so).least_squares(fun, start_point, **tight)
-            seconds = time.perf_counter() - t0
+            seconds = clock() - t0
         x = res.x.tolist()
     else:
         options: dict[str, Any] = {}
@@ -123,19 +132,19 @@ def run_once(
             inner = _torch_jacobian(p, jac)
 
             def timed(b: np.ndarray) -> np.ndarray:
-                t = time.perf_counter()
+                t = clock()
                 out = inner(b)
-                jac_time[0] += time.perf_counter() - t
+                jac_time[0] += clock() - t
                 return out
 
             options["jac"] = timed
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            t0 = time.perf_counter()
+            t0 = clock()
             res = scipy.optimize.least_squares(
                 p.numpy_residuals(), np.array(x0, dtype=np.float64), **tight, **options
             )
-            seconds = time.perf_counter() - t0
+            seconds = clock() - t0
         x = res.x.tolist()
     return seconds, lre(x, p.certified), int(res.nfev), jac_time[0]
 
@@ -170,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
         "--jac", default="auto", choices=("auto", "fwd", "rev"), help="(a)'s transform, both sides"
     )
     parser.add_argument("--base", default=None, help="folder holding secondorder_base")
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "process"),
+        help="wall time, or this process's CPU time (less disturbed on a shared machine)",
+    )
     args = parser.parse_args(argv)
     packages: dict[str, ModuleType] = {"ours": so}
     if args.base:
@@ -179,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
     names = args.names or (list(QUICK) if args.quick else list(NAMES))
     rounds = args.rounds or (3 if args.quick else 5)
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     starts = [(name, s) for name in names for s in (1, 2)]
     cmd = "PYTHONPATH=$PWD python -m benchmarks.nist_time " + " ".join(sys.argv[1:])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -190,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
     )
     print(
         f"load average at start: {_load()}; {len(starts)} starts x {rounds} rounds; "
-        f"(a) with jac={args.jac!r} on both sides"
+        f"(a) with jac={args.jac!r} on both sides; {args.clock} time"
     )
     timings = {
         (setting, side): {key: Timing() for key in starts}
@@ -201,7 +217,13 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
     for setting in args.settings:
         for side in sides:
             run_once(
-                PROBLEMS[starts[0][0]], starts[0][1], setting, side, args.jac, packages.get(side)
+                PROBLEMS[starts[0][0]],
+                starts[0][1],
+                setting,
+                side,
+                args.jac,
+                packages.get(side),
+                clock,
             )
     for r in range(rounds):
         for i, (name, s) in enumerate(starts):
@@ -209,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
                 turn = (r + i) % len(sides)
                 for side in sides[turn:] + sides[:turn]:
                     sec, digits, nfev, jac_s = run_once(
-                        PROBLEMS[name], s, setting, side, args.jac, packages.get(side)
+                        PROBLEMS[name], s, setting, side, args.jac, packages.get(side), clock
                     )
                     t = timings[setting, side][name, s]
                     t.seconds.append(sec)

@@ -21,12 +21,14 @@ from torch.func import jacfwd, jacrev
 __all__ = [
     "CallCounter",
     "JacobianFn",
+    "NumpyDifference",
     "auto_mode",
     "check_sparsity",
     "column_groups",
     "finite_difference",
     "flat_residuals",
     "jacobian_function",
+    "numpy_residuals",
     "output_eps",
     "residual_function",
 ]
@@ -104,14 +106,15 @@ def residual_function(
     return from_torch
 
 
-def _numpy_residuals(
-    counter: CallCounter, args: Sequence[Any], kwargs: dict[str, Any]
+def numpy_residuals(
+    counter: CallCounter, args: Sequence[Any], kwargs: dict[str, Any], *, owned: bool = False
 ) -> Callable[[np.ndarray], np.ndarray]:
     """``x ↦ fun(x, *args, **kwargs)`` for ``counter``'s NumPy ``fun``, flat float64, counted.
 
     The result may be the user's own array (no copy when it is float64 already): the
-    finite differences that call this subtract or stack it at once.  The call is
-    counted here rather than through ``counter.__call__``: one Python call per column.
+    finite differences that call this subtract or stack it at once.  ``owned``: always
+    a fresh array, as :func:`residual_function`'s (residuals that are kept).  The call
+    is counted here rather than through ``counter.__call__``: one Python call less.
     """
     fun = counter.fun
 
@@ -124,6 +127,8 @@ def _numpy_residuals(
                     f"fun must return real floating-point residuals, got dtype {arr.dtype}"
                 )
             arr = arr.astype(np.float64)
+        elif owned:
+            arr = arr.copy()
         return arr if arr.ndim == 1 else arr.reshape(-1)
 
     return call
@@ -200,7 +205,7 @@ def jacobian_function(
             complex_fun = _complex_residuals(call, numpy_fun=numpy_fun, args=args, kwargs=kwargs)
         host = None
         if numpy_fun and counter is not None and scheme != "cs":
-            host = _numpy_residuals(counter, args, kwargs)
+            host = numpy_residuals(counter, args, kwargs)
         return finite_difference(
             residuals,
             scheme,
@@ -404,7 +409,7 @@ def finite_difference(
     groups = None if sparsity is None else column_groups(sparsity)
     minpack = minpack and scheme == "2-point"
     if numpy_fun is not None and scheme != "cs":
-        return _numpy_difference(numpy_fun, scheme, default, rel_step, sparsity, groups, minpack)
+        return NumpyDifference(numpy_fun, scheme, default, rel_step, sparsity, groups, minpack)
 
     def jac(x: Tensor, f0: Tensor | None = None) -> Tensor:
         n = x.numel()
@@ -445,39 +450,62 @@ def finite_difference(
     return jac
 
 
-def _numpy_difference(
-    fun: Callable[[np.ndarray], np.ndarray],
-    scheme: str,
-    default: float,
-    rel_step: Tensor | None,
-    sparsity: Tensor | None,
-    groups: list[list[int]] | None,
-    minpack: bool = False,
-) -> JacobianFn:
-    """:func:`finite_difference`'s real schemes for a NumPy ``fun``, computed in NumPy."""
-    rel = None if rel_step is None else rel_step.numpy()
-    pattern = None if sparsity is None else sparsity.numpy()
+class NumpyDifference:
+    """:func:`finite_difference`'s real schemes for a NumPy ``fun``, computed in NumPy.
 
-    def jac(x: Tensor, f0: Tensor | None = None) -> Tensor:
+    A :class:`JacobianFn` on tensors; :meth:`of_arrays` is the same Jacobian on NumPy
+    arrays, for a caller that holds the point and ``f(x)`` as arrays already (the
+    fitting problem of a few parameters), so no tensor is made or read per call.
+    """
+
+    def __init__(
+        self,
+        fun: Callable[[np.ndarray], np.ndarray],
+        scheme: str,
+        default: float,
+        rel_step: Tensor | None,
+        sparsity: Tensor | None,
+        groups: list[list[int]] | None,
+        minpack: bool = False,
+    ) -> None:
+        self.fun = fun
+        self.scheme = scheme
+        self.default = default
+        self.rel = None if rel_step is None else rel_step.numpy()
+        self.pattern = None if sparsity is None else sparsity.numpy()
+        self.groups = groups
+        self.minpack = minpack
+        #: MINPACK's relative step ``max(rel_step, √eps)`` (a number without rel_step).
+        self.step: float | np.ndarray = (
+            default if self.rel is None else np.maximum(self.rel, default)
+        )
+
+    def __call__(self, x: Tensor, f0: Tensor | None = None) -> Tensor:
+        """J at ``x`` (``f0 = f(x)`` when known: the forward scheme then skips that call)."""
         xn = (x.detach() if x.requires_grad else x).numpy()
+        return torch.from_numpy(self.of_arrays(xn, None if f0 is None else f0.numpy()))
+
+    def of_arrays(self, xn: np.ndarray, f0: np.ndarray | None = None) -> np.ndarray:
+        """J at the NumPy point ``xn`` as an ``(m, n)`` array; ``f0``: ``f(xn)`` when known."""
         n = xn.size
-        if minpack:
-            s = default if rel is None else np.maximum(rel, default)
+        if self.minpack:
+            s = self.step
             h = s * np.abs(xn)
             if np.count_nonzero(h) < n:  # h = s where xᵢ = 0
                 h = np.where(h == 0, s, h)
         else:
             sign = np.where(xn >= 0, 1.0, -1.0)
-            h = default * sign * np.maximum(np.abs(xn), 1.0)
-        if rel is not None and not minpack:
-            given = rel * sign * np.abs(xn)
-            h = np.where((xn + given) - xn == 0, h, given)
+            h = self.default * sign * np.maximum(np.abs(xn), 1.0)
+            if self.rel is not None:
+                given = self.rel * sign * np.abs(xn)
+                h = np.where((xn + given) - xn == 0, h, given)
         h = (xn + h) - xn  # a step the arithmetic represents exactly
-        base = None
-        if scheme == "2-point":
-            base = f0.numpy() if f0 is not None else fun(xn)
+        fun, base = self.fun, None
+        if self.scheme == "2-point":
+            base = f0 if f0 is not None else fun(xn)
+        groups, pattern = self.groups, self.pattern
         if groups is None:
-            return torch.from_numpy(_columns(fun, xn, h, base))
+            return _columns(fun, xn, h, base)
         J: np.ndarray | None = None
         for cols in groups:
             # x ± e with e = h on cols, 0 elsewhere: x + 0 is x, so only cols change.
@@ -495,9 +523,7 @@ def _numpy_difference(
                 col = diff / (div * h[j])
                 J[:, j] = col if pattern is None else np.where(pattern[:, j], col, 0.0)
         assert J is not None
-        return torch.from_numpy(J)
-
-    return jac
+        return J
 
 
 def _columns(

@@ -39,12 +39,16 @@ from ..lm.linalg import NormalEquations, make_solver
 from .bounds import BoxTransform, parse_bounds
 from .functions import (
     CallCounter,
+    NumpyDifference,
+    auto_mode,
     check_sparsity,
     flat_residuals,
     jacobian_function,
+    numpy_residuals,
     output_eps,
     residual_function,
 )
+from .host import HostQRSolver
 from .losses import LOSSES, check_loss_output, rho
 from .problem import FunctionProblem, is_finite_system
 from .result import MESSAGES, OptimizeResult
@@ -189,9 +193,13 @@ def least_squares(
         automatic-differentiation Jacobian: residual values (the first at ``x0``
         included), finite-difference columns and geodesic second derivatives (scipy
         1.17 leaves finite-difference calls out).  ``njev`` counts Jacobian
-        evaluations; ``"fwd"``/``"rev"`` call ``fun`` once per Jacobian, so with
-        them ``fun`` is called exactly ``nfev + njev`` times, otherwise exactly
-        ``nfev`` times.  Nothing is evaluated twice.
+        evaluations; ``"fwd"`` calls ``fun`` once per Jacobian, so with it ``fun``
+        is called exactly ``nfev + njev`` times, otherwise exactly ``nfev`` times,
+        except that reverse mode (``"rev"``, and ``"auto"`` for small problems) on a
+        torch ``fun`` of ``x`` alone with flat float64 residuals and no bounds
+        evaluates each trial point by ``torch.func.vjp`` and takes an accepted
+        point's Jacobian from that evaluation (no call): ``fun`` then runs ``nfev +
+        1`` times (the one Jacobian at ``x0``).  Nothing is evaluated twice.
     """
     kwargs = _check_call(fun, args, kwargs, geodesic, callback, workers)
     x_start, numpy_in = _start_point(x0)
@@ -526,6 +534,7 @@ def _build_problem(
                 "exactly by torch (jac='auto'): drop jac_sparsity, or pass jac='2-point'"
             )
         sparsity = check_sparsity(opts.jac_sparsity, (m, n))
+    flat = _flat_float64(probe, args, kwargs)
     jac = jacobian_function(
         opts.jac,
         residuals,
@@ -540,8 +549,9 @@ def _build_problem(
         dense_only=opts.method == "lm",
         # scipy's "lm" differences in MINPACK (fdjac2), with MINPACK's relative step.
         minpack=opts.method == "lm",
-        flat_fun=fun if _flat_float64(probe, args, kwargs) else None,
+        flat_fun=fun if flat else None,
     )
+    rev = auto_mode(m, n) == "rev"
     problem = FunctionProblem(
         residuals,
         jac,
@@ -554,6 +564,13 @@ def _build_problem(
         takes_residuals=True,
     )
     problem.differences = differences
+    if flat and not transform.any and (opts.jac == "rev" or (opts.jac == "auto" and rev)):
+        # Reverse mode: a point's residuals by vjp, its J from that forward pass.
+        problem.fuse(fun, m)
+    if numpy_fun and not transform.any:
+        # x = y: the NumPy fun (and its differences) called on arrays, no adapter.
+        host_jac = jac.of_arrays if isinstance(jac, NumpyDifference) else None
+        problem.on_host(numpy_residuals(counter, args, kwargs, owned=True), host_jac)
     problem.remember(y_start, f0)
     return problem
 
@@ -671,6 +688,9 @@ def _first_system(problem: FunctionProblem, y: Tensor) -> NormalEquations:
 
 
 def _make_solver(opts: _Options) -> Any:
+    if opts.linear_solver == "qr":
+        # A few parameters: QR's solves on the host (NumPy), LAPACK without wrappers.
+        return HostQRSolver()
     options = opts.tr_options or {}
     tols = [float(options[k]) for k in ("atol", "btol") if k in options]
     return make_solver(

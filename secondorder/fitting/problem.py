@@ -37,7 +37,7 @@ def is_finite_system(system: NormalEquations) -> bool:
     no step could survive either).
     """
     parts = [system.grad, system.col_sq]
-    if all(t.is_cpu and t.dtype == torch.float64 for t in parts):
+    if system.host is not None or all(t.is_cpu and t.dtype == torch.float64 for t in parts):
         # Host tensors (every fit of a few parameters).  The engine reads the system's
         # scalars next (finite loss, Jᵀr and column norms, kept once read): read them
         # now, and scan the vectors here only when the loss alone may be what is not.
@@ -48,6 +48,11 @@ def is_finite_system(system: NormalEquations) -> bool:
             return False
         return bool(np.isfinite(parts[0].numpy()).all() and np.isfinite(parts[1].numpy()).all())
     return bool(torch.isfinite(parts[0]).all() & torch.isfinite(parts[1]).all())  # one read
+
+
+def _same_point(key: Tensor, version: int, y: Tensor) -> bool:
+    """Whether ``y`` is the point ``key`` was when its version counter read ``version``."""
+    return key._version == version and (key is y or torch.equal(key, y))
 
 
 class FunctionProblem:
@@ -96,13 +101,77 @@ class FunctionProblem:
         self.njev = 0
         #: whether the Jacobian comes from finite differences (set by the builder).
         self.differences = False
+        #: ``last`` and ``base`` hold their points as given, not copied: each is kept
+        #: with its version counter, so a point modified in place since is never taken
+        #: for the one evaluated (the engine makes a new tensor for every point).
         self.last: tuple[Tensor, Tensor] | None = None
-        #: The tensor last evaluated and its version counter: the same object, not
-        #: modified in place since, needs no comparison of values.
-        self._last_seen: tuple[Tensor, int] | None = None
+        self._last_version = 0
         self.base: tuple[Tensor, Tensor, Tensor] | None = None
+        self._base_version = 0
+        #: The base's J as a NumPy array, on the host path.
+        self._base_jac: np.ndarray | None = None
         self.row_scale: Tensor | None = None
         self.extra_rows = 0
+        #: NumPy residuals and Jacobian of a fit of a few parameters (set by the builder
+        #: through :meth:`on_host`), else ``None``.
+        self.host_fun: Callable[[np.ndarray], np.ndarray] | None = None
+        self.host_jac: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+        #: The user's torch fun for fused evaluations (:meth:`fuse`), the identity that
+        #: pulls back every residual, and the last evaluated point with its version
+        #: and its pullback.
+        self._fused: Callable[[Tensor], Tensor] | None = None
+        self._eye: Tensor | None = None
+        self._pullback: tuple[Tensor, int, Callable[..., Any]] | None = None
+
+    def on_host(
+        self,
+        fun: Callable[[np.ndarray], np.ndarray],
+        jac: Callable[[np.ndarray, np.ndarray], np.ndarray] | None,
+    ) -> None:
+        """Evaluate a NumPy ``fun`` (and its difference Jacobian ``jac``) on arrays.
+
+        ``fun``: the same residuals as the adapter ``self.fun`` on a NumPy ``x``, flat
+        float64, counted, owned by the caller; ``jac(x, f(x))``: the same J as
+        ``self.jac`` on arrays.  Only for a fit without bounds or scaling (x = y): the
+        point then goes to the user's function as it is, with no tensor made or read
+        around each call.  With a linear loss and a few parameters the normal equations
+        are formed from these arrays too.
+        """
+        if self.bounds.any:
+            raise ValueError("on_host: the host path takes no bounds or x_scale (x must be y)")
+        self.host_fun, self.host_jac = fun, jac
+
+    def fuse(self, fun: Callable[[Tensor], Tensor], m: int) -> None:
+        """Take residuals by ``torch.func.vjp`` and a point's J from that evaluation.
+
+        ``fun``: the user's torch ``fun`` of ``x`` alone, ``m`` flat float64 residuals,
+        differentiated in reverse mode.  Every residual evaluation records its forward
+        pass; when the point is then accepted, J is the pullback of the identity
+        (``vmap(vjp_fn)(I)``, what ``jacrev`` computes after its own forward pass), so
+        the Jacobian costs no call of ``fun``: on NIST's problems ``jacrev`` spends
+        about a third of its time in that forward pass and its own bookkeeping.  Only
+        without bounds or scaling (x = y).
+        """
+        if self.bounds.any:
+            raise ValueError("fuse: fused evaluations take no bounds or x_scale (x must be y)")
+        self._fused, self._eye = fun, torch.eye(m, dtype=torch.float64)
+
+    def _fused_residuals(self, y: Tensor) -> Tensor | None:
+        """``f(y)`` by ``vjp``, its pullback kept; ``None``: take the plain call instead."""
+        assert self._fused is not None and self._eye is not None
+        self.counter.calls += 1  # a value call (nfev), whatever follows
+        try:
+            out, pullback = torch.func.vjp(self._fused, y)[:2]
+        except RuntimeError:
+            # Residuals torch.func refuses: the adapter calls fun again and names the fault.
+            self._pullback = None
+            return None
+        m = self._eye.shape[0]
+        if not (isinstance(out, Tensor) and out.dtype == torch.float64 and out.shape == (m,)):
+            self._pullback = None
+            return None
+        self._pullback = (y, y._version, pullback)
+        return out.detach() if out.requires_grad else out
 
     def cost2(self, f: Tensor) -> Tensor:
         """``2·cost = f_scale² Σ ρ((f/f_scale)²)`` of residuals ``f``."""
@@ -115,26 +184,32 @@ class FunctionProblem:
 
     def remember(self, y: Tensor, f: Tensor) -> None:
         """Record ``f = f(x(y))`` computed elsewhere (the first call of ``fun``)."""
-        self.last = (y.clone(), f.detach())
-        self._last_seen = None
+        self.last = (y, f.detach())
+        self._last_version = y._version
 
     def residuals(self, y: Tensor) -> Tensor:
         """``f(x(y))``, flat float64, detached; the last point and the base are free."""
-        if self.last is not None:
-            seen = self._last_seen
-            if seen is not None and seen[0] is y and seen[1] == y._version:
-                return self.last[1]
-            if torch.equal(self.last[0], y):
-                return self.last[1]
-        if self.base is not None and torch.equal(self.base[0], y):
-            return self.base[1]
-        # Values only: a fun closing over tensors that require grad must not drag a
-        # graph along (autograd is used inside the Jacobian transforms alone).
-        f = self.fun(self.bounds.to_x(y))
-        if f.requires_grad:
-            f = f.detach()
-        self.last = (y.clone(), f)
-        self._last_seen = (y, y._version)
+        last = self.last
+        if last is not None and _same_point(last[0], self._last_version, y):
+            return last[1]
+        base = self.base
+        if base is not None and _same_point(base[0], self._base_version, y):
+            return base[1]
+        if self.host_fun is not None:
+            # A NumPy fun and x = y: the point as an array, no adapter around the call.
+            f = torch.from_numpy(self.host_fun((y.detach() if y.requires_grad else y).numpy()))
+        else:
+            fused = None if self._fused is None else self._fused_residuals(y)
+            if fused is not None:
+                f = fused
+            else:
+                # Values only: a fun closing over tensors that require grad must not drag
+                # a graph along (autograd is used inside the Jacobian transforms alone).
+                f = self.fun(self.bounds.to_x(y))
+                if f.requires_grad:
+                    f = f.detach()
+        self.last = (y, f)
+        self._last_version = y._version
         return f
 
     def loss_sum(self, y: Tensor) -> Tensor | float:
@@ -160,7 +235,10 @@ class FunctionProblem:
         """
         J = self.jacobian(y, f)
         if self._plain_host(J, f):
-            return self._host_system(J, f)
+            jn = self._base_jac
+            assert self.base is not None
+            j = jn if jn is not None and self.base[2] is J else J.numpy()
+            return self._host_system(j, f.numpy(), J, f)
         r, Js = self._robust_rows(f, J)
         scale_sq = None if self.row_scale is None else (J * J).sum(0)
         self.extra_rows = 0
@@ -179,6 +257,8 @@ class FunctionProblem:
 
     def _plain_host(self, J: Tensor, f: Tensor) -> bool:
         """A few float64 CPU columns, the linear loss, no bounds: NumPy forms the system."""
+        if self.host_jac is not None and isinstance(self.loss, str) and self.loss == "linear":
+            return J.shape[1] <= HOST_MAX_N  # host arrays: float64, 2-D, no bounds
         return (
             not self.bounds.any
             and isinstance(self.loss, str)
@@ -190,7 +270,7 @@ class FunctionProblem:
             and f.is_cpu
         )
 
-    def _host_system(self, J: Tensor, f: Tensor) -> NormalEquations:
+    def _host_system(self, j: np.ndarray, r: np.ndarray, J: Tensor, f: Tensor) -> NormalEquations:
         """:meth:`linearize`'s system in NumPy: the same products, no torch call per vector.
 
         For a few parameters each torch operation costs more in dispatch than its
@@ -200,7 +280,6 @@ class FunctionProblem:
         """
         self.row_scale = None
         self.extra_rows = 0
-        j, r = J.numpy(), f.numpy()
         # vdot raises no floating-point warning (an overflow is inf, as in torch; the
         # caller checks finiteness); the products would, so they get a guard.
         loss = np.asarray(np.vdot(r, r))
@@ -221,16 +300,42 @@ class FunctionProblem:
 
     def jacobian(self, y: Tensor, f: Tensor) -> Tensor:
         """The raw ``J(x(y))`` (in ``x``), with ``f = f(x(y))``; the base's is free."""
-        if self.base is not None and torch.equal(self.base[0], y):
+        if self._is_base(y):
+            assert self.base is not None
             return self.base[2]
         self.njev += 1
-        x = self.bounds.to_x(y)
-        jac: Any = self.jac
-        J = jac(x, f) if self.takes_residuals else jac(x)
-        if J.requires_grad:
-            J = J.detach()
-        self.base = (y.clone(), f.detach() if f.requires_grad else f, J)
+        if self.host_jac is not None:
+            yn = (y.detach() if y.requires_grad else y).numpy()
+            jn = self.host_jac(yn, f.numpy())
+            J = torch.from_numpy(jn)
+        else:
+            jn = None
+            pulled = self._pulled_back(y)
+            if pulled is not None:
+                J = pulled
+            else:
+                x = self.bounds.to_x(y)
+                jac: Any = self.jac
+                J = jac(x, f) if self.takes_residuals else jac(x)
+            if J.requires_grad:
+                J = J.detach()
+        self.base = (y, f.detach() if f.requires_grad else f, J)
+        self._base_version, self._base_jac = y._version, jn
         return J
+
+    def _pulled_back(self, y: Tensor) -> Tensor | None:
+        """J at ``y`` from the pullback its fused evaluation kept, else ``None``."""
+        kept, self._pullback = self._pullback, None
+        if kept is None or not _same_point(kept[0], kept[1], y):
+            return None
+        assert self._eye is not None
+        J: Tensor = torch.func.vmap(kept[2])(self._eye)[0]
+        m = self._eye.shape[0]
+        return J if J.dtype == torch.float64 and J.shape == (m, y.numel()) else None
+
+    def _is_base(self, y: Tensor) -> bool:
+        base = self.base
+        return base is not None and _same_point(base[0], self._base_version, y)
 
     def _robust_rows(self, f: Tensor, J: Tensor) -> tuple[Tensor, Tensor]:
         """Triggs' rescaled ``(r, Js)`` for a robust loss (``(f, J)`` for the linear one)."""
@@ -302,5 +407,5 @@ class FunctionProblem:
         h = torch.finfo(y.dtype).eps ** 0.25 * max(1.0, float(torch.linalg.vector_norm(y)))
         t = h / vnorm
         # f(y) is the linearisation point's, already known: two calls, not three.
-        centre = self.base[1] if self.base is not None and torch.equal(self.base[0], y) else f(y)
+        centre = self.base[1] if self.base is not None and self._is_base(y) else f(y)
         return ((f(y + t * v) - 2.0 * centre + f(y - t * v)) / (t * t)).detach()

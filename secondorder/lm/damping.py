@@ -412,6 +412,10 @@ class DampingMatrix:
             if d.size == 0:
                 return np.ones_like(d)
             tiny = _TINY64
+            if all(tiny <= v < math.inf for v in d.tolist()):
+                # Every column usable (the usual case): D is d, which np.where would copy
+                # (a Python loop over a few entries costs less than the five array calls).
+                return d.copy()
             usable = np.isfinite(d) & (d >= tiny)
             largest = float(np.where(usable, d, 0.0).max())
             fill = max(largest * self.floor, tiny)

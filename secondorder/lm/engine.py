@@ -339,8 +339,9 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
         return None
     if loop.host is not None:
         d = direction.numpy() if loop.lr == 1.0 else loop.lr * direction.numpy()
-        x_try = torch.from_numpy(loop.host.x + d)
-        values = _measure_on_host(loop, loop.host, d)
+        xt = loop.host.x + d
+        x_try = torch.from_numpy(xt)
+        values = _measure_on_host(loop, loop.host, d, xt)
     else:
         delta = loop.lr * direction
         x_try = loop.x + delta
@@ -372,14 +373,17 @@ def _measure(loop: _Loop, delta: Tensor, x_try: Tensor) -> list[float]:
     return torch.stack(read).tolist()
 
 
-@dataclass(frozen=True)
 class _HostView:
     """The iteration's vectors as NumPy views, for a factorisation that lives on the host."""
 
-    x: np.ndarray
-    grad: np.ndarray
-    jac: np.ndarray | None
-    sqrt_d: np.ndarray
+    __slots__ = ("grad", "jac", "sqrt_d", "x", "xnorm")
+
+    def __init__(
+        self, x: np.ndarray, grad: np.ndarray, jac: np.ndarray | None, sqrt_d: np.ndarray
+    ) -> None:
+        self.x, self.grad, self.jac, self.sqrt_d = x, grad, jac, sqrt_d
+        #: ``‖x‖``, once the first attempt has measured it.
+        self.xnorm: float | None = None
 
     @classmethod
     def of(cls, x: Tensor, system: NormalEquations, d: Tensor, fact: Factorization) -> _HostView:
@@ -402,12 +406,15 @@ class _HostView:
         return cls(x.numpy(), grad, jac, sqrt_d)
 
 
-def _measure_on_host(loop: _Loop, view: _HostView, delta: np.ndarray) -> list[float]:
+def _measure_on_host(
+    loop: _Loop, view: _HostView, delta: np.ndarray, xt: np.ndarray
+) -> list[float]:
     """:func:`_measure` in NumPy (a few columns on the host), without a torch call.
 
     The same quantities in float64: the predicted reduction along ``δ/s`` with ``s``
     the power of two below ``max|δ|``, as on the device.  Overflow gives inf, as on the
     device (one error-state guard costs less than bounding the entries first).
+    ``xt`` is the trial point ``x + δ``.
     """
     with np.errstate(all="ignore"):
         top = float(np.abs(delta).max()) if delta.size else 0.0
@@ -421,13 +428,14 @@ def _measure_on_host(loop: _Loop, view: _HostView, delta: np.ndarray) -> list[fl
             curvature = float(jd.dot(jd))
         else:
             curvature = float(loop.system.curvature(torch.from_numpy(delta / scale)))
-        xt = view.x + delta
+        if view.xnorm is None:
+            view.xnorm = math.sqrt(float(view.x.dot(view.x)))
         values = [
             1.0,
             -2.0 * slope - curvature * scale * scale,
             math.sqrt(float(delta.dot(delta))),
             math.sqrt(float(xt.dot(xt))),
-            math.sqrt(float(view.x.dot(view.x))),
+            view.xnorm,
         ]
         if loop.rule.chooses:
             sd = view.sqrt_d * delta

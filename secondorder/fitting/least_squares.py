@@ -193,13 +193,14 @@ def least_squares(
         automatic-differentiation Jacobian: residual values (the first at ``x0``
         included), finite-difference columns and geodesic second derivatives (scipy
         1.17 leaves finite-difference calls out).  ``njev`` counts Jacobian
-        evaluations; ``"fwd"`` calls ``fun`` once per Jacobian, so with it ``fun``
-        is called exactly ``nfev + njev`` times, otherwise exactly ``nfev`` times,
-        except that reverse mode (``"rev"``, and ``"auto"`` for small problems) on a
-        torch ``fun`` of ``x`` alone with flat float64 residuals and no bounds
-        evaluates each trial point by ``torch.func.vjp`` and takes an accepted
-        point's Jacobian from that evaluation (no call): ``fun`` then runs ``nfev +
-        1`` times (the one Jacobian at ``x0``).  Nothing is evaluated twice.
+        evaluations.  Automatic differentiation calls ``fun`` once per Jacobian, so
+        ``fun`` is called exactly ``nfev + njev`` times, except that reverse mode
+        (``"rev"``, and ``"auto"`` for small problems) on a torch ``fun`` of ``x``
+        alone with flat float64 residuals and no bounds evaluates each trial point
+        by ``torch.func.vjp`` and takes an accepted point's Jacobian from that
+        evaluation (no call): ``fun`` then runs ``nfev + 1`` times (the one
+        Jacobian at ``x0``).  Finite differences and a ``jac`` callable: exactly
+        ``nfev`` times.  Nothing is evaluated twice.
     """
     kwargs = _check_call(fun, args, kwargs, geodesic, callback, workers)
     x_start, numpy_in = _start_point(x0)

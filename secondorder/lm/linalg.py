@@ -296,15 +296,16 @@ def dual_blocks(m: int, device: torch.device | None = None) -> int:
     """Row blocks :func:`symmetric_product` splits an m-row product into.
 
     As in :func:`gram_blocks`, only the blocks on and above the diagonal need a
-    product: 62.5% of the flops with 4 blocks.  Blocks are at least 32 rows and at
-    most 4 (measured at 1 thread: 256 × 1,370 float32 in 1.6-1.7 ms against 2.1 ms for
-    one product, 128 × 19,210 in 6.8 against 8.4 ms; 16-row blocks or 8 of them gain
-    nothing more).  One block off the CPU, where a single launch is cheaper at these
-    sizes.
+    product: 75% of the flops with 2 blocks.  Two blocks from 64 rows on, no more
+    (measured, 300 interleaved rounds, float32: at 1 thread 128 × 19,210 in 10.0 ms
+    median against 11.9 ms for one product, 256 × 1,370 in 1.48 against 1.90 ms, and 4
+    blocks no faster; at 2 threads on a loaded machine 4 blocks of 32 rows took twice
+    the single product's median at 128 × 19,210, where 2 blocks matched it).  One
+    block off the CPU, where a single launch is cheaper at these sizes.
     """
     if device is not None and device.type != "cpu":
         return 1
-    return max(1, min(4, m // 32))
+    return max(1, min(2, m // 32))
 
 
 def symmetric_product(js: Tensor) -> Tensor:

@@ -384,7 +384,7 @@ def _scaled_rows(jac: Tensor, r: Tensor, spread: float) -> tuple[Tensor, Tensor]
         (32, 256, 1, False, 0.0),
         (24, 128, 2, False, 0.0),
         (32, 128, 4, False, 12.0),
-        (128, 256, 6, False, 12.0),  # four row blocks of the product
+        (128, 256, 6, False, 12.0),  # two row blocks of the product
         (16, 128, 3, True, 0.0),
         (16, 128, 5, True, 6.0),
     ],

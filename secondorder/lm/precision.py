@@ -168,15 +168,19 @@ def floor_holds(k: Tensor, mu: float, eps: float) -> bool:
     rounding).  One factorisation of the m × m matrix; ``False`` when it fails or
     ``k`` is not finite.
     """
+    return _floor_holds_in_place(k.to(torch.float64, copy=True), mu, eps)
+
+
+def _floor_holds_in_place(k: Tensor, mu: float, eps: float) -> bool:
+    """:func:`floor_holds` on a float64 ``k`` the caller gives up (it is overwritten)."""
     m = k.shape[0]
     if m == 0 or not (math.isfinite(eps) and math.isfinite(mu)):
         return False
-    shifted = k.to(torch.float64, copy=True)
-    trace = float(shifted.diagonal().sum())
+    trace = float(k.diagonal().sum())
     if not math.isfinite(trace):
         return False
-    shifted.diagonal().sub_(mu + eps + m * _U64 * abs(trace))
-    return int(torch.linalg.cholesky_ex(shifted)[1]) == 0
+    k.diagonal().sub_(mu + eps + m * _U64 * abs(trace))
+    return int(torch.linalg.cholesky_ex(k)[1]) == 0
 
 
 @dataclass(frozen=True)
@@ -220,4 +224,5 @@ class DualFloorCheck:
         r = diag.rsqrt()
         k.mul_(r[:, None]).mul_(r[None, :])
         eps = self.error_estimate(m)
-        return floor_holds(k, eps / self.precision.tol, eps)
+        # k is this call's own float64 copy: shift and factor it without another.
+        return _floor_holds_in_place(k, eps / self.precision.tol, eps)

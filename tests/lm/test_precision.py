@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
 import secondorder as so
+from secondorder.lm.linalg import symmetric_product
 from secondorder.lm.precision import DualFloorCheck, GramPrecision, floor_holds
 
 U32 = torch.finfo(torch.float32).eps / 2
@@ -296,16 +297,21 @@ def _dual_case(
 
 
 def _float32_step_error(jac: Tensor, d: Tensor, r: Tensor, lam: float) -> float:
-    """Relative error of the float32 dual step ``D^-½ Jsᵀ (JsJsᵀ + λI)⁻¹(−r)`` vs float64."""
-    steps = {}
-    for dt in (torch.float32, torch.float64):
-        js = jac.to(dt) * d.to(dt).rsqrt()
-        k = js @ js.T
-        k.diagonal().add_(lam)
-        y = torch.linalg.solve(k, -r.to(dt))
-        steps[dt] = (d.to(dt).rsqrt() * (js.T @ y)).double()
-    ref = steps[torch.float64]
-    return float(torch.linalg.vector_norm(steps[torch.float32] - ref) / ref.norm())
+    """Relative error of the float32 dual step ``D^-½ Jsᵀ (JsJsᵀ + λI)⁻¹(−r)`` vs float64.
+
+    The float32 step is formed as the dual Cholesky solver forms it (``JsJsᵀ`` by row
+    blocks); the reference whole, in float64.
+    """
+    s32 = d.rsqrt()
+    k = symmetric_product(jac * s32)
+    k.diagonal().add_(lam)
+    y = torch.linalg.solve(k, -r)
+    step32 = (s32 * ((jac * s32).T @ y)).double()
+    js = jac.double() * d.double().rsqrt()
+    k64 = js @ js.T
+    k64.diagonal().add_(lam)
+    ref = d.double().rsqrt() * (js.T @ torch.linalg.solve(k64, -r.double()))
+    return float(torch.linalg.vector_norm(step32 - ref) / ref.norm())
 
 
 @pytest.mark.parametrize(
@@ -378,6 +384,7 @@ def _scaled_rows(jac: Tensor, r: Tensor, spread: float) -> tuple[Tensor, Tensor]
         (32, 256, 1, False, 0.0),
         (24, 128, 2, False, 0.0),
         (32, 128, 4, False, 12.0),
+        (128, 256, 6, False, 12.0),  # two row blocks of the product
         (16, 128, 3, True, 0.0),
         (16, 128, 5, True, 6.0),
     ],
@@ -401,8 +408,7 @@ def test_the_scaled_dual_check_keeps_the_promise_and_takes_float32_more_often(
         scale = float((jac.double() ** 2 / d.double()).sum()) / jac.shape[0]
     n = jac.shape[1]
     precision = GramPrecision("auto", tol=0.1)
-    js32 = jac * d.rsqrt()
-    k32 = js32 @ js32.T
+    k32 = symmetric_product(jac * d.rsqrt())  # as the dual Cholesky solver forms it
     js64 = jac.double() * d.double().rsqrt()
     k64 = js64 @ js64.T
     kept, sharper, worst_refused = [], 0, 0.0

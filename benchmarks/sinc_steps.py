@@ -12,6 +12,12 @@ the way (attempts beyond one per step) and the forward-mode passes geodesic
 acceleration adds (one per attempt).  The step count is deterministic for a given
 thread count (the rounding of the reductions depends on it), so the load of a shared
 machine does not change it; the seconds column is only a rough guide.
+
+Variants are named in :data:`VARIANTS` (public options) and :data:`RULES`
+(exploration only: :class:`ShapedRule` is swapped into the optimizer's private
+``_rule``, and the ``search_*`` variants wrap the engine's private ``_judge``; neither
+is library behaviour).  ``--options JSON`` adds one variant of any options.
+Results and their reading: ``benchmarks/NOTES.md``, "Fewer steps on sinc".
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mult_3_1/2": {"damping_rule": "multiplicative", "damping_up": 3.0, "damping_down": 0.5},
     "mult_10_1/3": {"damping_rule": "multiplicative", "damping_up": 10.0, "damping_down": 1 / 3},
     "mult_4_1/5": {"damping_rule": "multiplicative", "damping_up": 4.0, "damping_down": 0.2},
+    "shrink_5": {"damping_shrink": 5.0},
+    "shrink_10": {"damping_shrink": 10.0},
+    "shrink_30": {"damping_shrink": 30.0},
     "identity": {"damping_matrix": "identity"},
     "more": {"damping_matrix": "more"},
     "damping_1": {"damping": 1.0},

@@ -49,8 +49,9 @@ class LMConfig:
             an accepted step, ``λ ← λ·max(1/damping_shrink, 1 - (2ρ - 1)³)``; a
             number > 1, Nielsen's 3 by default.  A larger value lets λ fall faster
             while the gain ratio stays near 1 (the end of a fit).  On the sinc
-            benchmark 10 reached MSE 1e-6 in fewer steps on most initialisations but
-            not all (``benchmarks/NOTES.md``, "Fewer steps on sinc").  Only with
+            benchmark 10 took fewer steps to MSE 1e-6 from 10 of 12 initialisations
+            at 1 thread but from 2 of 4 at 2 threads: not a robust win, so not the
+            default (``benchmarks/NOTES.md``, "Fewer steps on sinc").  Only with
             ``damping_rule="nielsen"``.
         damping_matrix: ``"marquardt"`` (diag JᵀJ), ``"identity"`` or ``"more"``.
         damping_min, damping_max: bounds on λ; reaching the maximum ends training.

@@ -72,7 +72,7 @@ class Checkpoint:
 
 
 #: Settings added to LMConfig after format 2, and their defaults.
-_LATER_SETTINGS: dict[str, Any] = {"cg_preconditioner": "jacobi"}
+_LATER_SETTINGS: dict[str, Any] = {"cg_preconditioner": "jacobi", "damping_shrink": 3.0}
 
 #: Settings a checkpoint may differ in: the state overrides ``lr`` and ``damping`` (the
 #: initial values), and the others only change how a step's work is laid out.

@@ -36,6 +36,7 @@ __all__ = [
     "StepRecord",
     "TrustRegionRule",
     "check_damping_factors",
+    "check_damping_shrink",
     "make_damping_matrix",
     "make_damping_rule",
     "raise_damping",
@@ -111,18 +112,26 @@ class DampingRule:
 class NielsenRule(DampingRule):
     """Nielsen's gain-ratio rule (Nielsen 1999; Madsen, Nielsen & Tingleff 2004).
 
-    On success ``λ ← λ·max(1/3, 1 - (2ρ - 1)³)`` and ``ν ← 2``: a step that matched
-    its model well (ρ near 1) shrinks λ by up to 3x, a barely useful one leaves it
-    almost unchanged.  On failure ``λ ← λ·ν`` and ``ν ← 2ν``, so consecutive failures
-    raise λ ever faster.  Smooth in ρ, it avoids the oscillation of fixed factors.
+    On success ``λ ← λ·max(1/s, 1 - (2ρ - 1)³)`` and ``ν ← 2``: a step that matched
+    its model well (ρ near 1) shrinks λ by up to ``s``-fold (``shrink``, Nielsen's 3),
+    a barely useful one leaves it almost unchanged.  On failure ``λ ← λ·ν`` and
+    ``ν ← 2ν``, so consecutive failures raise λ ever faster.  Smooth in ρ, it avoids
+    the oscillation of fixed factors.  A larger ``shrink`` lets λ fall faster while
+    the linear model keeps predicting the loss (ρ above ~0.87, where
+    ``1 - (2ρ - 1)³ < 1/3``): the end of a fit, where Gauss-Newton converges fast.
     """
 
     name = "nielsen"
 
+    def __init__(self, shrink: float = 3.0) -> None:
+        check_damping_shrink(shrink)
+        self.shrink = float(shrink)
+        self._floor = 1.0 / self.shrink
+
     def accept(  # noqa: D102
         self, state: DampingState, rho: float, step: StepRecord | None = None
     ) -> None:
-        state.damping *= max(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3)
+        state.damping *= max(self._floor, 1.0 - (2.0 * rho - 1.0) ** 3)
         state.nu = 2.0
 
     def reject(self, state: DampingState, step: StepRecord | None = None) -> None:  # noqa: D102
@@ -303,10 +312,30 @@ def check_damping_factors(up: object, down: object) -> None:
         raise ValueError(f"Invalid damping_down={down!r}: must be in (0, 1).")
 
 
-def make_damping_rule(name: str, up: float = 10.0, down: float = 0.1) -> DampingRule:
-    """Build the damping rule called ``name`` (one of :data:`DAMPING_RULES`)."""
+def check_damping_shrink(shrink: object) -> None:
+    """Nielsen's largest decrease of λ per accepted step: a finite number > 1."""
+    if not (
+        isinstance(shrink, (int, float))
+        and not isinstance(shrink, bool)
+        and math.isfinite(shrink)
+        and shrink > 1
+    ):
+        raise ValueError(
+            f"Invalid damping_shrink={shrink!r}: must be a finite number > 1 (the largest "
+            "factor by which Nielsen's rule lowers λ after one accepted step; Nielsen's is 3)."
+        )
+
+
+def make_damping_rule(
+    name: str, up: float = 10.0, down: float = 0.1, shrink: float = 3.0
+) -> DampingRule:
+    """Build the damping rule called ``name`` (one of :data:`DAMPING_RULES`).
+
+    ``up`` and ``down`` are the multiplicative rule's factors, ``shrink`` Nielsen's
+    largest decrease per accepted step.
+    """
     if name == "nielsen":
-        return NielsenRule()
+        return NielsenRule(shrink)
     if name == "multiplicative":
         return MultiplicativeRule(up, down)
     if name == "trust":

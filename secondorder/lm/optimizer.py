@@ -248,7 +248,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         self._choices = Choices(cfg, self._function, self.reducer)
         #: The per-batch problem of the last step or plan (see :meth:`internals`).
         self._problem: ModelProblem | None = None
-        self._rule = make_damping_rule(cfg.damping_rule, cfg.damping_up, cfg.damping_down)
+        self._rule = make_damping_rule(
+            cfg.damping_rule, cfg.damping_up, cfg.damping_down, cfg.damping_shrink
+        )
         self._matrix = make_damping_matrix(cfg.damping_matrix)
         self._damping = DampingState(damping=float(damping))
         self._engine = EngineConfig(

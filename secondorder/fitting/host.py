@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..lm.linalg import HOST_MAX_N, Factorization, NormalEquations, QRSolver, _HostSVD
+from ..lm.linalg import (
+    HOST_MAX_N,
+    Factorization,
+    NormalEquations,
+    QRSolver,
+    _HostSVD,
+    _upper,
+)
 
 __all__ = ["HostQRSolver", "has_lapack_gufuncs"]
 
@@ -37,16 +44,6 @@ _LAPACK: Any = (
 def has_lapack_gufuncs() -> bool:
     """Whether :class:`HostQRSolver` calls LAPACK directly (else through ``np.linalg``)."""
     return _LAPACK is not None
-
-
-_UPPER: dict[int, np.ndarray] = {}
-
-
-def _upper(n: int) -> np.ndarray:
-    mask = _UPPER.get(n)
-    if mask is None:
-        mask = _UPPER[n] = np.triu(np.ones((n, n)))
-    return mask
 
 
 class HostQRSolver(QRSolver):

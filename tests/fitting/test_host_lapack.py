@@ -188,18 +188,23 @@ def test_owned_residuals_never_alias_the_users_buffer() -> None:
     assert np.array_equal(kept, [2.0] * 4) and counter.calls == 3
 
 
-def test_the_array_path_refuses_bounds() -> None:
+def _bounded_identity(differentiable: bool) -> FunctionProblem:
+    """``f(x) = x`` on the unit box: a problem whose variables are transformed."""
     bounds = BoxTransform(*parse_bounds(([0.0, 0.0], [1.0, 1.0]), 2))
-    problem = FunctionProblem(
+    return FunctionProblem(
         lambda x: x,
         lambda x, f0=None: torch.eye(2, dtype=F64),
         bounds,
         "linear",
         1.0,
         need_gram=False,
-        differentiable=False,
+        differentiable=differentiable,
         takes_residuals=True,
     )
+
+
+def test_the_array_path_refuses_bounds() -> None:
+    problem = _bounded_identity(differentiable=False)
     with pytest.raises(ValueError, match="host path takes no bounds or x_scale"):
         problem.on_host(np.asarray, None)
 
@@ -353,16 +358,6 @@ def test_a_fused_evaluation_that_torch_func_refuses_takes_the_plain_call() -> No
 
 
 def test_fused_evaluations_refuse_bounds() -> None:
-    bounds = BoxTransform(*parse_bounds(([0.0, 0.0], [1.0, 1.0]), 2))
-    problem = FunctionProblem(
-        lambda x: x,
-        lambda x, f0=None: torch.eye(2, dtype=F64),
-        bounds,
-        "linear",
-        1.0,
-        need_gram=False,
-        differentiable=True,
-        takes_residuals=True,
-    )
+    problem = _bounded_identity(differentiable=True)
     with pytest.raises(ValueError, match="fused evaluations take no bounds or x_scale"):
         problem.fuse(lambda x: x, 2)

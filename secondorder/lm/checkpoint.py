@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .._validation import check_number
 from .config import LMConfig
+from .damping import NIELSEN_SHRINK
 from .jacobian import JACOBIANS
 
 __all__ = [
@@ -72,7 +73,10 @@ class Checkpoint:
 
 
 #: Settings added to LMConfig after format 2, and their defaults.
-_LATER_SETTINGS: dict[str, Any] = {"cg_preconditioner": "jacobi", "damping_shrink": 3.0}
+_LATER_SETTINGS: dict[str, Any] = {
+    "cg_preconditioner": "jacobi",
+    "damping_shrink": NIELSEN_SHRINK,
+}
 
 #: Settings a checkpoint may differ in: the state overrides ``lr`` and ``damping`` (the
 #: initial values), and the others only change how a step's work is laid out.

@@ -22,6 +22,7 @@ from .classifier_defaults import residual_defaults
 from .damping import (
     DAMPING_MATRICES,
     DAMPING_RULES,
+    NIELSEN_SHRINK,
     check_damping_factors,
     check_damping_shrink,
 )
@@ -118,7 +119,7 @@ class LMConfig:
     damping_rule: str = "nielsen"
     damping_up: float = 10.0
     damping_down: float = 0.1
-    damping_shrink: float = 3.0
+    damping_shrink: float = NIELSEN_SHRINK
     damping_matrix: str = "marquardt"
     damping_min: float = 1e-12
     damping_max: float = 1e12
@@ -162,7 +163,7 @@ class LMConfig:
         check_choice("damping_rule", self.damping_rule, DAMPING_RULES)
         check_damping_factors(self.damping_up, self.damping_down)
         check_damping_shrink(self.damping_shrink)
-        if self.damping_shrink != 3.0 and self.damping_rule != "nielsen":
+        if self.damping_shrink != NIELSEN_SHRINK and self.damping_rule != "nielsen":
             raise ValueError(
                 f"Invalid damping_shrink={self.damping_shrink!r} with damping_rule="
                 f"{self.damping_rule!r}: it sets Nielsen's rule; use damping_rule='nielsen', "

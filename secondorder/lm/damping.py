@@ -25,6 +25,7 @@ __all__ = [
     "DAMPING_MATRICES",
     "DAMPING_RULES",
     "FITTING_DAMPING_RULES",
+    "NIELSEN_SHRINK",
     "DampingMatrix",
     "DampingRule",
     "DampingState",
@@ -109,6 +110,10 @@ class DampingRule:
         return state.damping
 
 
+#: Nielsen's largest decrease of λ per accepted step (``damping_shrink``'s default).
+NIELSEN_SHRINK = 3.0
+
+
 class NielsenRule(DampingRule):
     """Nielsen's gain-ratio rule (Nielsen 1999; Madsen, Nielsen & Tingleff 2004).
 
@@ -123,7 +128,7 @@ class NielsenRule(DampingRule):
 
     name = "nielsen"
 
-    def __init__(self, shrink: float = 3.0) -> None:
+    def __init__(self, shrink: float = NIELSEN_SHRINK) -> None:
         check_damping_shrink(shrink)
         self.shrink = float(shrink)
         self._floor = 1.0 / self.shrink
@@ -327,7 +332,7 @@ def check_damping_shrink(shrink: object) -> None:
 
 
 def make_damping_rule(
-    name: str, up: float = 10.0, down: float = 0.1, shrink: float = 3.0
+    name: str, up: float = 10.0, down: float = 0.1, shrink: float = NIELSEN_SHRINK
 ) -> DampingRule:
     """Build the damping rule called ``name`` (one of :data:`DAMPING_RULES`).
 

@@ -284,12 +284,23 @@ def gram_update(
         return j.T @ j if gram is None else gram.addmm_(j.T, j)
     if gram is None:
         gram = torch.zeros(n, n, dtype=j.dtype, device=j.device)
-    edges = [(i * n) // k for i in range(k + 1)]
+    return _add_blocked_aat(gram, j.T, k)
+
+
+def _add_blocked_aat(out: Tensor, a: Tensor, blocks: int) -> Tensor:
+    """``out += A Aᵀ``, A's rows in ``blocks`` blocks; returns ``out``.
+
+    Products on and above the diagonal only; the blocks below are copies of those
+    above, so the result is exactly symmetric off the diagonal blocks.  The Gram is
+    this with ``A = Jᵀ``, the dual matrix with ``A = J D^-½``.
+    """
+    m = a.shape[0]
+    edges = [(i * m) // blocks for i in range(blocks + 1)]
     for lo, hi in itertools.pairwise(edges):
-        gram[lo:hi, lo:].addmm_(j[:, lo:hi].T, j[:, lo:])
+        out[lo:hi, lo:].addmm_(a[lo:hi], a[lo:].T)
     for lo, hi in itertools.pairwise(edges[:-1]):
-        gram[hi:, lo:hi] = gram[lo:hi, hi:].T
-    return gram
+        out[hi:, lo:hi] = out[lo:hi, hi:].T
+    return out
 
 
 def dual_blocks(m: int, device: torch.device | None = None) -> int:
@@ -319,13 +330,7 @@ def symmetric_product(js: Tensor) -> Tensor:
     blocks = dual_blocks(m, js.device)
     if blocks == 1:
         return js @ js.T
-    k = torch.zeros(m, m, dtype=js.dtype, device=js.device)
-    edges = [(i * m) // blocks for i in range(blocks + 1)]
-    for lo, hi in itertools.pairwise(edges):
-        k[lo:hi, lo:].addmm_(js[lo:hi], js[lo:].T)
-    for lo, hi in itertools.pairwise(edges[:-1]):
-        k[hi:, lo:hi] = k[lo:hi, hi:].T
-    return k
+    return _add_blocked_aat(torch.zeros(m, m, dtype=js.dtype, device=js.device), js, blocks)
 
 
 class _ScaledRows:

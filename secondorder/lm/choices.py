@@ -570,8 +570,9 @@ class Choices:
         free, where = available_memory(device)
         if free is None:
             return None, where
-        # J's pooled buffer is this step's to reuse (or drop before allocating anew).
-        pooled = self.function.program.rows_pool.free_bytes(device)
+        # J's pooled buffers are this step's to reuse (or drop before allocating anew);
+        # the slices on this device are computed by the replicas' programs.
+        pooled = sum(e.program.rows_pool.free_bytes(device) for e in self.function.replicas)
         usable = int(free * USABLE_FRACTION)
         if pooled:
             return usable + pooled, f"{USABLE_FRACTION:.0%} of {where}, + J's pooled rows"

@@ -129,8 +129,12 @@ def _solve(
     return delta.to(dtype)
 
 
-def _predicted_reduction(system: NormalEquations, g: Tensor, delta: Tensor) -> Tensor:
+def _predicted_reduction(
+    system: NormalEquations, g: Tensor, delta: Tensor, image: Tensor | None = None
+) -> Tensor:
     """``-2gᵀδ - ‖Jδ‖²``, the reduction of ``Σr²`` the linear model predicts, in float64.
+
+    ``image``: ``Jδ`` when the solve formed it already (the dual form), else ``None``.
 
     With residuals near 1e19 a float32 ``gᵀδ`` or ``‖Jδ‖²`` overflows although every
     factor is finite.  ``gᵀδ`` is summed in float64; ``‖Jδ‖²`` is evaluated along
@@ -147,7 +151,11 @@ def _predicted_reduction(system: NormalEquations, g: Tensor, delta: Tensor) -> T
     scalable = torch.isfinite(top) & (top > 0)
     exponent = torch.frexp(torch.where(scalable, top, torch.ones_like(top)))[1]
     scale = torch.ldexp(torch.ones_like(top), exponent - 1)
-    curvature = system.curvature(delta / scale).to(wide)
+    if image is None:
+        curvature = system.curvature(delta / scale).to(wide)
+    else:
+        jd = image / scale.to(image.dtype)
+        curvature = torch.dot(jd, jd).to(wide)
     scale64 = scale.to(wide)
     return -2.0 * linear - curvature * scale64 * scale64
 
@@ -177,6 +185,8 @@ class _Loop:
     scaled_norms: tuple[float, float] | None = None
     #: The LM direction at the λ the rule chose, kept from its search.
     chosen: tuple[float, Tensor] | None = None
+    #: ``Jv`` of the current direction ``v`` when the factorisation formed it.
+    image: Tensor | None = None
     #: NumPy views of the iteration's vectors when the factorisation lives on the host.
     host: _HostView | None = None
 
@@ -345,7 +355,10 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
     else:
         delta = loop.lr * direction
         x_try = loop.x + delta
-        values = _measure(loop, delta, x_try)
+        image = loop.image
+        if image is not None and loop.lr != 1.0:
+            image = loop.lr * image
+        values = _measure(loop, delta, x_try, image)
     solved, pred, step_norm, xnorm_try, xnorm = values[:5]
     if not solved:
         loop.reason = f"linear solve failed at damping {lam:.3g}"
@@ -355,13 +368,16 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
     return _judge(loop, attempt, lam, x_try, pred, step_norm, xnorm_try, xnorm, measured)
 
 
-def _measure(loop: _Loop, delta: Tensor, x_try: Tensor) -> list[float]:
-    """``[finite, predicted reduction, ‖δ‖, ‖x + δ‖, ‖x‖]`` (+ ``‖D^½δ‖, gᵀδ``), one read."""
+def _measure(loop: _Loop, delta: Tensor, x_try: Tensor, image: Tensor | None) -> list[float]:
+    """``[finite, predicted reduction, ‖δ‖, ‖x + δ‖, ‖x‖]`` (+ ``‖D^½δ‖, gᵀδ``), one read.
+
+    ``image``: ``Jδ`` when the factorisation formed it (:meth:`Factorization.image`).
+    """
     wide = torch.float64
     assert loop.xnorm0 is not None
     read = [
         torch.isfinite(delta).all().to(wide),
-        _predicted_reduction(loop.system, loop.system.grad, delta),
+        _predicted_reduction(loop.system, loop.system.grad, delta, image),
         torch.linalg.vector_norm(delta, dtype=wide),
         torch.linalg.vector_norm(x_try, dtype=wide),
         loop.xnorm0,
@@ -498,6 +514,7 @@ def _direction(loop: _Loop, lam: float) -> Tensor | None:
     in ``loop.reason``).
     """
     x, system, fact, config = loop.x, loop.system, loop.fact, loop.config
+    loop.image = None
     if loop.chosen is not None and loop.chosen[0] == lam:
         v: Tensor | None = loop.chosen[1]
     elif loop.host is not None and loop.w is not None:
@@ -506,11 +523,13 @@ def _direction(loop: _Loop, lam: float) -> Tensor | None:
     else:
         v = _solve(fact, lam, -system.grad, loop.w, x.dtype, check=config.geodesic)
         loop.cg_iterations += fact.iterations
+        loop.image = fact.image()
     if v is None:
         loop.reason = f"linear solve failed at damping {lam:.3g}"
         return None
     if not config.geodesic:
         return v
+    loop.image = None
     b_vv, r_vv = loop.problem.second_directional(x, v, system)
     a = _solve(fact, lam, -b_vv, None if r_vv is None else -r_vv, x.dtype)
     loop.cg_iterations += fact.iterations

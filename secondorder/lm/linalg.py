@@ -340,9 +340,13 @@ class _ScaledRows:
         self.inv_sqrt_d = d.to(dtype).rsqrt()
         self.js = jac.to(dtype) * self.inv_sqrt_d
         self.k = symmetric_product(self.js)
+        #: ``Jδ`` of the last :meth:`step`.
+        self.image: Tensor | None = None
 
     def step(self, y: Tensor) -> Tensor:
-        """``δ = D^-½ Jsᵀ y``."""
+        """``δ = D^-½ Jsᵀ y``; its image ``Jδ = Js Jsᵀ y`` is kept in :attr:`image`."""
+        # An m×m product instead of a pass over J's m×n entries to measure the step.
+        self.image = self.k @ y
         return self.inv_sqrt_d * (self.js.T @ y)
 
 
@@ -370,6 +374,15 @@ class Factorization:
         A ``None`` result tells the optimizer to raise λ and try again.
         """
         raise NotImplementedError
+
+    def image(self) -> Tensor | None:
+        """``Jδ`` for the ``δ`` of the last solve, if this factorisation formed it already.
+
+        The dual form has it from the m×m matrix (``Jδ = Js Jsᵀ y``), so measuring a
+        step's curvature ``‖Jδ‖²`` need not pass over J again; ``None`` (the default)
+        leaves it to :meth:`NormalEquations.curvature`.  Valid until the next solve.
+        """
+        return None
 
     def solve_unchecked(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         """:meth:`solve` without reading a failure flag on the host.
@@ -448,6 +461,9 @@ class _CholeskyDual(Factorization):
         y = torch.cholesky_solve(w.to(m.dtype).unsqueeze(-1), L).squeeze(-1)
         return self.rows.step(y), info
 
+    def image(self) -> Tensor | None:
+        return self.rows.image
+
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         x, info = self._solve(damping, w)
         return None if int(info) != 0 else x
@@ -521,6 +537,9 @@ class _EighDual(Factorization):
         w = _require_w(w, "dual eigh")
         y = self.u @ ((self.u.T @ w.to(self.u.dtype)) / (self.evals + damping))
         return self.rows.step(y)
+
+    def image(self) -> Tensor | None:
+        return self.rows.image
 
 
 class EighSolver(LinearSolver):

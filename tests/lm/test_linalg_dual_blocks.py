@@ -89,3 +89,46 @@ def test_dual_solve_by_blocks_matches_the_primal_solve(
         ref = torch.linalg.solve(j64.T @ j64 + lam * torch.diag(d64), j64.T @ w.double())
         rel = float((got.double() - ref).norm() / ref.norm())
         assert rel <= tol, (lam, rel)
+
+
+@pytest.mark.parametrize("solver_name", ["cholesky", "eigh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dual_image_is_j_times_the_step(solver_name: str, dtype: torch.dtype) -> None:
+    """``Factorization.image()`` (``Js Jsᵀ y``, m×m work) against ``J @ δ`` in float64,
+    and the predicted reduction measured with it against the one measured through J."""
+    from secondorder.lm.engine import _predicted_reduction
+
+    m, n = 100, 700
+    jac = _case(m, n, torch.float32, seed=6)
+    w = torch.randn(m, generator=torch.Generator().manual_seed(7))
+    system = _system(jac, w)
+    fact = make_solver(solver_name, dtype).factor(system, system.col_sq)
+    u = U32 if dtype == torch.float32 else U64
+    for lam in (1e-2, 1.0, 1e3):
+        delta = fact.solve(lam, jac.T @ w, w)
+        image = fact.image()
+        assert delta is not None and image is not None and image.shape == (m,)
+        ref = jac.double() @ delta.double()
+        # Each entry of Js Jsᵀ y carries the rounding of a product of n terms.
+        scale = float(jac.double().abs().sum(1).max() * delta.double().abs().max())
+        assert float((image.double() - ref).abs().max()) <= 10 * u * n**0.5 * scale
+        grad = system.grad
+        via_image = float(_predicted_reduction(system, grad, delta.float(), image))
+        via_jac = float(_predicted_reduction(system, grad, delta.float()))
+        assert via_image == pytest.approx(via_jac, rel=1e-4)
+
+
+def test_primal_factorisations_leave_the_image_to_the_system() -> None:
+    """Only the dual form forms ``Jδ`` on the way; the others answer ``None``."""
+    jac = _case(50, 8, torch.float64)
+    w = torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    system = NormalEquations(
+        loss_sum=torch.tensor(1.0, dtype=torch.float64),
+        count=50,
+        grad=jac.T @ w,
+        col_sq=(jac * jac).sum(0),
+        gram=jac.T @ jac,
+    )
+    fact = make_solver("cholesky", torch.float64).factor(system, system.col_sq)
+    assert fact.solve(1.0, system.grad, None) is not None
+    assert fact.image() is None

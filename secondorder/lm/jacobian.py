@@ -36,6 +36,7 @@ which runs the same check once per input signature and raises instead of switchi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ __all__ = [
     "Reference",
     "ResidualProgram",
     "ResidualsIndependentError",
+    "RowProducts",
     "batch_reference",
     "check_strategy",
     "coupling_message",
@@ -112,6 +114,110 @@ def linear_layers(
     return tuple(layers)
 
 
+#: A layer's rows are taken from its factors only where its J block holds at least
+#: this many times the factors' entries (fan_out·fan_in against fan_out + fan_in).
+_FACTOR_GAIN = 4
+#: ... and only for slices of J with at least this many entries: below, a pass over J
+#: costs about what the products' dozen extra operations do (measured at 256 × 1,370).
+_FACTOR_MIN_ENTRIES = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Factors:
+    """One ``nn.Linear`` call's rows for residual j: ``g_i a_iᵀ`` (weight) and ``g_i`` (bias)."""
+
+    weight: int | None  # J's first column of the weight block, if trainable
+    bias: int | None  # J's first column of the bias block, if trainable
+    g: Tensor  # (batch, fan_out): ∂r_ij/∂z_i
+    a: Tensor  # (batch, fan_in): the layer's input
+    r: Tensor  # (batch,): r_ij
+
+
+class RowProducts:
+    """``Jᵀr`` and ``diag(JᵀJ)`` of the rows the outer-product rule last wrote.
+
+    A linear layer's rows are outer products ``g_i a_iᵀ``, so their products with r
+    and their squared column norms are small products of the layer's factors:
+    ``Σᵢ rᵢ gᵢ aᵢᵀ = gᵀ diag(r) a`` and ``Σᵢ gᵢ² (aᵢ²)ᵀ``, with batch × (fan_out +
+    fan_in) reads instead of a pass over J's batch × fan_out × fan_in entries.  Blocks
+    that are sums of outer products (a layer called twice, convolution windows, extra
+    dimensions between the batch and the features) are read from J's columns.
+
+    The rule records its factors with the rows it returns; :meth:`take` hands the
+    products out once, for those rows only (recognised by identity, held weakly so
+    that the rows' pooled buffer is not kept busy).
+    """
+
+    def __init__(self) -> None:
+        self._rows: weakref.ref[Tensor] | None = None
+        self._factors: list[_Factors] = []
+        self._from_rows: list[tuple[int, int]] = []
+        self._r: Tensor | None = None
+
+    def record(
+        self, rows: Tensor, r: Tensor, factors: list[_Factors], from_rows: list[tuple[int, int]]
+    ) -> None:
+        """Remember ``rows`` (J, 2-D), ``r`` and what J's column ranges were written from."""
+        self._rows = weakref.ref(rows)
+        self._r, self._factors, self._from_rows = r, factors, from_rows
+
+    def clear(self) -> None:
+        """Forget the last rows (a strategy that returned other rows)."""
+        self._rows, self._r, self._factors, self._from_rows = None, None, [], []
+
+    def take(self, rows: Tensor, col_sq: bool) -> tuple[Tensor, Tensor | None] | None:
+        """``(Jᵀr, diag(JᵀJ) or None)`` for ``rows`` if the rule recorded them, else ``None``."""
+        held = None if self._rows is None else self._rows()
+        r, factors, from_rows = self._r, self._factors, self._from_rows
+        self.clear()
+        if held is None or held is not rows or r is None:
+            return None
+        n = rows.shape[1]
+        grad = torch.zeros(n, dtype=rows.dtype, device=rows.device)
+        col = torch.zeros(n, dtype=rows.dtype, device=rows.device) if col_sq else None
+        for f in factors:
+            _add_products(f, grad, col)
+        for lo, hi in from_rows:
+            block = rows[:, lo:hi]
+            grad[lo:hi] += block.T @ r
+            if col is not None:
+                col[lo:hi] += (block * block).sum(0)
+        return grad, col
+
+
+def _add_products(f: _Factors, grad: Tensor, col: Tensor | None) -> None:
+    """Add one layer call's ``gᵀ diag(r) a``, ``gᵀr`` (and squared norms) into the vectors.
+
+    The scaled factor is the narrower one, and the bias rides along as a column of
+    ones (or a sum), so the wider factor is read once per vector.
+    """
+    g, a, r = f.g, f.a, f.r
+    fan_out, fan_in = g.shape[1], a.shape[1]
+    wsize = fan_out * fan_in
+    for target, gg, aa, rr in (
+        (grad, g, a, r),
+        (col, None if col is None else g * g, None if col is None else a * a, None),
+    ):
+        if target is None or gg is None or aa is None:
+            continue
+        if fan_out <= fan_in:
+            left = gg if rr is None else gg * rr[:, None]
+            if f.weight is not None:
+                target[f.weight : f.weight + wsize].view(fan_out, fan_in).addmm_(left.T, aa)
+            if f.bias is not None:
+                target[f.bias : f.bias + fan_out] += left.sum(0)
+            continue
+        right = aa if rr is None else aa * rr[:, None]
+        ones = torch.ones_like(right[:, :1]) if rr is None else rr[:, None]
+        # (narrow)ᵀ·(wide), then transposed: a thin right operand runs far below
+        # the matrix-multiply kernel's speed (measured 5x slower at 2 columns).
+        both = torch.cat([right, ones], 1).T @ gg
+        if f.weight is not None:
+            target[f.weight : f.weight + wsize].view(fan_out, fan_in).add_(both[:fan_in].T)
+        if f.bias is not None:
+            target[f.bias : f.bias + fan_out] += both[fan_in]
+
+
 @dataclass(frozen=True)
 class ResidualProgram:
     """The residuals of a problem as pure functions of the parameters.
@@ -135,6 +241,8 @@ class ResidualProgram:
             has checked a forced strategy on this program (the probe's size).
         rows_pool: the buffer the outer-product rule writes J's rows into, reused
             from step to step while nothing else holds it (:class:`BufferPool`).
+        row_products: ``Jᵀr`` and ``diag(JᵀJ)`` of the rule's last rows, from the
+            layers' factors (:class:`RowProducts`).
     """
 
     per_sample: Callable[[Params, Any, Any], Tensor] | None
@@ -146,6 +254,7 @@ class ResidualProgram:
     random_modules: tuple[nn.Module, ...] = ()
     checked: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     rows_pool: BufferPool = field(default_factory=BufferPool, compare=False, repr=False)
+    row_products: RowProducts = field(default_factory=RowProducts, compare=False, repr=False)
 
 
 def _with_aux(f: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -285,8 +394,14 @@ def _fill_rows(
     calls: list[_Call],
     outs: list[Tensor],
     starts: dict[str, int],
+    factors: list[_Factors],
+    from_rows: set[str],
 ) -> set[tuple[int, str]]:
-    """Write ``g_i a_iᵀ`` and ``g_i`` into ``jac[i, j]``; return the (j, name) blocks written."""
+    """Write ``g_i a_iᵀ`` and ``g_i`` into ``jac[i, j]``; return the (j, name) blocks written.
+
+    Each block written as one outer product per sample has its factors appended to
+    ``factors``; the names of the other blocks are added to ``from_rows``.
+    """
     batch, k = rk.shape
     written: set[tuple[int, str]] = set()
     for j in range(k):
@@ -294,13 +409,28 @@ def _fill_rows(
         for (layer, a, _), g in zip(calls, grads, strict=True):
             if g is None:
                 continue
+            names = [n for n in (layer.weight, layer.bias) if n is not None]
             if conv_rows.is_conv(layer.module):
                 _conv_rows(jac[:, j], layer, a.detach(), g.detach(), starts, j, written)
+                from_rows.update(names)
                 continue
             fan_out, fan_in = layer.module.weight.shape
             g3 = g.detach().reshape(batch, -1, fan_out)
             a3 = a.detach().reshape(batch, -1, fan_in)
             single = g3.shape[1] == 1
+            wide = fan_out * fan_in >= _FACTOR_GAIN * (fan_out + fan_in)
+            if single and wide and all((j, n) not in written for n in names):
+                factors.append(
+                    _Factors(
+                        weight=None if layer.weight is None else starts[layer.weight],
+                        bias=None if layer.bias is None else starts[layer.bias],
+                        g=g3[:, 0],
+                        a=a3[:, 0],
+                        r=rk[:, j].detach(),
+                    )
+                )
+            else:
+                from_rows.update(names)
             if layer.weight is not None:
                 s = starts[layer.weight]
                 block = jac[:, j, s : s + fan_out * fan_in].view(batch, fan_out, fan_in)
@@ -395,13 +525,40 @@ def _linear_rule(
     jac = program.rows_pool.take((batch, k, n), p0.dtype, p0.device)
     rk = r.view(batch, k)
     checks = _autograd_sums(rk, leaves, program.order, k) if verify else []
-    written = _fill_rows(jac, rk, calls, outs, starts)
+    factors: list[_Factors] = []
+    from_rows: set[str] = set()
+    written = _fill_rows(jac, rk, calls, outs, starts, factors, from_rows)
     for j in range(k):
         for name, size in zip(program.order, numels, strict=True):
             if (j, name) not in written:
                 jac[:, j, starts[name] : starts[name] + size] = 0.0
     verdict = _verdict(jac, r, checks) if verify else None
-    return jac.view(batch * k, n), r.detach(), verdict
+    rows, r = jac.view(batch * k, n), r.detach()
+    if not factors or rows.numel() < _FACTOR_MIN_ENTRIES:
+        # One pass over J each costs less than the products' extra operations.
+        program.row_products.clear()
+        return rows, r, verdict
+    # A block read from J's columns is read whole (its factors dropped); adjacent
+    # blocks are read as one.
+    size_of = dict(zip(program.order, numels, strict=True))
+    read: list[tuple[int, int]] = []
+    for lo, hi in sorted((starts[name], starts[name] + size_of[name]) for name in from_rows):
+        if read and read[-1][1] == lo:
+            lo = read.pop()[0]
+        read.append((lo, hi))
+    skip = {starts[name] for name in from_rows}
+    kept = [
+        _Factors(
+            weight=None if f.weight in skip else f.weight,
+            bias=None if f.bias in skip else f.bias,
+            g=f.g,
+            a=f.a,
+            r=f.r,
+        )
+        for f in factors
+    ]
+    program.row_products.record(rows, r, kept, read)
+    return rows, r, verdict
 
 
 def _fast_rows(

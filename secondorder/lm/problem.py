@@ -286,16 +286,21 @@ class ModelProblem:
         with self.function.frozen():
             for k, inputs, targets in group.stage(self.slices()):
                 with group.on(k):
-                    J, r = self.strategy(self.replicas[k].program, points[k], inputs, targets)
+                    program = self.replicas[k].program
+                    J, r = self.strategy(program, points[k], inputs, targets)
+                    # Jᵀr and diag(JᵀJ) from the layers' factors when the outer-product
+                    # rule wrote these rows, else a pass over J each.
+                    products = program.row_products.take(J, col_sq=store)
                     J = J.detach()
                     r = r.detach()
                     sums.count += r.numel()
                     counts.append(r.numel())
                     r_wide = r.to(wide)
                     part_loss = torch.dot(r_wide, r_wide)
-                    part_grad = J.T @ r
+                    part_grad = J.T @ r if products is None else products[0]
                     if store:
-                        part_col = (J * J).sum(0)
+                        col = None if products is None else products[1]
+                        part_col = (J * J).sum(0) if col is None else col
                     else:
                         sums.grams[k] = gram_update(
                             sums.grams[k], J, self.gram_dtype, self.setup.gram_chunk

@@ -19,6 +19,7 @@ from torch.func import functional_call, hessian, jacrev, vmap
 
 import secondorder as so
 from secondorder.distributed import LocalReducer
+from secondorder.lm import jacobian
 from secondorder.lm.jacobian import make_jacobian
 from secondorder.lm.model import ModelFunction
 
@@ -697,6 +698,13 @@ def _frozen_first_layer() -> nn.Module:
     [
         (lambda: mlp(3, 1), (7, 3), True),
         (lambda: mlp(3, 4), (7, 3), True),  # k = 4 residuals per sample
+        (lambda: mlp(40, 3, hidden=5), (7, 40), True),  # fan_out < fan_in in the first layer
+        (lambda: conv_model(3), (7, 1, 6, 6), True),  # convolution rows, read from J
+        (
+            lambda: nn.Sequential(nn.Linear(3, 6, bias=False), nn.Tanh(), nn.Linear(6, 2)).to(DT),
+            (7, 3),
+            True,
+        ),
         (lambda: mlp(3, 2), (7, 5, 3), True),  # a sequence dimension between batch and features
         (lambda: _Tied().to(DT), (7, 3), True),  # a layer called twice, a tied weight
         (_frozen_first_layer, (7, 3), True),
@@ -704,7 +712,10 @@ def _frozen_first_layer() -> nn.Module:
         (lambda: nn.Sequential(_MyLinear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT), (7, 3), None),
     ],
 )
-def test_reverse_outer_product_rule_matches_jacrev(make, shape, expect_rule):
+def test_reverse_outer_product_rule_matches_jacrev(make, shape, expect_rule, monkeypatch):
+    # Every layer's Jᵀr and diag(JᵀJ) from its factors, however small (checked below).
+    monkeypatch.setattr(jacobian, "_FACTOR_MIN_ENTRIES", 0)
+    monkeypatch.setattr(jacobian, "_FACTOR_GAIN", 0)
     torch.manual_seed(4)
     model = make()
     x = torch.randn(*shape, dtype=DT)
@@ -728,12 +739,48 @@ def test_reverse_outer_product_rule_matches_jacrev(make, shape, expect_rule):
     torch.testing.assert_close(r, f(x0), rtol=0, atol=1e-13)
     torch.testing.assert_close(J, jacrev(f)(x0), rtol=0, atol=1e-12)
     assert float(J.abs().max()) > 1e-2
+    # Jᵀr and diag(JᵀJ) from the layers' factors, for the rule's rows only, once.
+    products = prob.program.row_products.take(J, col_sq=True)
+    # A sequence dimension makes every block a sum of outer products: J is read whole.
+    if expect_rule and x.ndim != 3:
+        assert products is not None and products[1] is not None
+        torch.testing.assert_close(products[0], J.T @ r, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(products[1], (J * J).sum(0), rtol=1e-12, atol=1e-14)
+        assert prob.program.row_products.take(J, col_sq=True) is None
+    else:
+        assert products is None
     if expect_rule is None:
         # A subclass of nn.Linear may change its forward: vmap, never the rule.
         assert prob.program.layers is None
     else:
         assert prob.program.layers is not None
         assert list(prob.program.verified.values()) == [expect_rule]
+
+
+def test_row_products_from_factors_only_where_j_is_large():
+    """At the default thresholds: a small J (or narrow layers) gives no products, so
+    the optimizer makes its one pass over J; a wide layer's J gives them, equal to
+    that pass.  The rows are held weakly: the pooled buffer is not kept busy."""
+    torch.manual_seed(0)
+    small = mlp(3, 2)
+    prob = make_problem(small, so.residuals.mse)
+    params = {k: p.detach() for k, p in small.named_parameters()}
+    x, y = torch.randn(9, 3, dtype=DT), torch.randn(9, 2, dtype=DT)
+    J, _ = make_jacobian("reverse")(prob.program, params, x, y)
+    assert prob.program.row_products.take(J, col_sq=True) is None
+    wide = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 10)).to(DT)
+    prob = make_problem(wide, so.residuals.cross_entropy)
+    params = {k: p.detach() for k, p in wide.named_parameters()}
+    x, y = torch.randn(64, 64, dtype=DT), torch.randint(0, 10, (64,))
+    J, r = make_jacobian("reverse")(prob.program, params, x, y)
+    assert J.numel() >= jacobian._FACTOR_MIN_ENTRIES
+    held = prob.program.row_products
+    products = held.take(J, col_sq=False)
+    assert products is not None and products[1] is None
+    torch.testing.assert_close(products[0], J.T @ r, rtol=1e-12, atol=1e-14)
+    J2, _ = make_jacobian("reverse")(prob.program, params, x, y)
+    del J2
+    assert held._rows is not None and held._rows() is None  # not kept alive
 
 
 def test_outer_product_rule_is_checked_once_per_input_signature():

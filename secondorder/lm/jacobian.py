@@ -56,6 +56,7 @@ __all__ = [
     "BatchReverse",
     "CheckedStrategy",
     "CouplingError",
+    "FactorGram",
     "JacobianStrategy",
     "LinearLayer",
     "PerSampleForward",
@@ -65,6 +66,7 @@ __all__ = [
     "ResidualProgram",
     "ResidualsIndependentError",
     "RowProducts",
+    "RowSums",
     "batch_reference",
     "check_strategy",
     "coupling_message",
@@ -119,6 +121,7 @@ def linear_layers(
 _FACTOR_GAIN = 4
 #: ... and only for slices of J with at least this many entries: below, a pass over J
 #: costs about what the products' dozen extra operations do (measured at 256 × 1,370).
+#: (J Jᵀ from the factors, :class:`FactorGram`, has no such floor.)
 _FACTOR_MIN_ENTRIES = 1 << 20
 
 
@@ -133,6 +136,53 @@ class _Factors:
     r: Tensor  # (batch,): r_ij
 
 
+@dataclass(frozen=True)
+class RowSums:
+    """What :meth:`RowProducts.take` hands out for one slice's rows.
+
+    Attributes:
+        grad: ``Jᵀr``.
+        col_sq: ``diag(JᵀJ)`` when asked for, else ``None``.
+        outer: ``J Jᵀ`` from the layers' factors (:class:`FactorGram`) when every
+            column of J is one outer product per row, else ``None``.
+    """
+
+    grad: Tensor
+    col_sq: Tensor | None
+    outer: FactorGram | None
+
+
+class FactorGram:
+    """``J Jᵀ`` (m × m) of outer-product rows, from the layers' factors.
+
+    Row i of J holds ``vec(gᵢaᵢᵀ)`` and ``gᵢ`` for each layer, so
+    ``Jᵢ·Jⱼ = Σ_layers (gᵢ·gⱼ)(aᵢ·aⱼ + 1)`` (the 1 for the bias): a Hadamard product
+    of two small Grams per layer, m²(fan_out + fan_in) multiply-adds where the
+    product of J's rows costs m²·n.  Cheap enough in float64 at any λ.
+    """
+
+    def __init__(self, factors: list[_Factors]) -> None:
+        self.factors = factors
+
+    def __call__(self, dtype: torch.dtype) -> Tensor:
+        """``J Jᵀ`` in ``dtype``."""
+        f0 = self.factors[0]
+        m = f0.g.shape[0]
+        out = torch.zeros(m, m, dtype=dtype, device=f0.g.device)
+        for f in self.factors:
+            g = f.g.to(dtype)
+            gg = g @ g.T
+            if f.weight is None:
+                out += gg  # the bias alone: its rows are gᵢ
+                continue
+            a = f.a.to(dtype)
+            aa = a @ a.T
+            if f.bias is not None:
+                aa += 1.0
+            out += gg * aa
+        return out
+
+
 class RowProducts:
     """``Jᵀr`` and ``diag(JᵀJ)`` of the rows the outer-product rule last wrote.
 
@@ -141,7 +191,10 @@ class RowProducts:
     ``Σᵢ rᵢ gᵢ aᵢᵀ = gᵀ diag(r) a`` and ``Σᵢ gᵢ² (aᵢ²)ᵀ``, with batch × (fan_out +
     fan_in) reads instead of a pass over J's batch × fan_out × fan_in entries.  Blocks
     that are sums of outer products (a layer called twice, convolution windows, extra
-    dimensions between the batch and the features) are read from J's columns.
+    dimensions between the batch and the features) are read from J's columns, and so
+    is all of a small J (below :data:`_FACTOR_MIN_ENTRIES` a pass costs about what the
+    products' extra operations do).  Where every column is a factor's, ``J Jᵀ`` comes
+    from the factors too (:class:`FactorGram`).
 
     The rule records its factors with the rows it returns; :meth:`take` hands the
     products out once, for those rows only (recognised by identity, held weakly so
@@ -165,13 +218,18 @@ class RowProducts:
         """Forget the last rows (a strategy that returned other rows)."""
         self._rows, self._r, self._factors, self._from_rows = None, None, [], []
 
-    def take(self, rows: Tensor, col_sq: bool) -> tuple[Tensor, Tensor | None] | None:
-        """``(Jᵀr, diag(JᵀJ) or None)`` for ``rows`` if the rule recorded them, else ``None``."""
+    def take(self, rows: Tensor, col_sq: bool) -> RowSums | None:
+        """:class:`RowSums` for ``rows`` if the rule recorded them, else ``None``."""
         held = None if self._rows is None else self._rows()
         r, factors, from_rows = self._r, self._factors, self._from_rows
         self.clear()
         if held is None or held is not rows or r is None:
             return None
+        # One residual per sample and every column a factor's: J Jᵀ from the factors.
+        whole = not from_rows and all(f.g.shape[0] == rows.shape[0] for f in factors)
+        outer = FactorGram(factors) if whole else None
+        if rows.numel() < _FACTOR_MIN_ENTRIES:
+            return RowSums(rows.T @ r, (rows * rows).sum(0) if col_sq else None, outer)
         n = rows.shape[1]
         grad = torch.zeros(n, dtype=rows.dtype, device=rows.device)
         col = torch.zeros(n, dtype=rows.dtype, device=rows.device) if col_sq else None
@@ -182,7 +240,7 @@ class RowProducts:
             grad[lo:hi] += block.T @ r
             if col is not None:
                 col[lo:hi] += (block * block).sum(0)
-        return grad, col
+        return RowSums(grad, col, outer)
 
 
 def _add_products(f: _Factors, grad: Tensor, col: Tensor | None) -> None:
@@ -534,8 +592,7 @@ def _linear_rule(
                 jac[:, j, starts[name] : starts[name] + size] = 0.0
     verdict = _verdict(jac, r, checks) if verify else None
     rows, r = jac.view(batch * k, n), r.detach()
-    if not factors or rows.numel() < _FACTOR_MIN_ENTRIES:
-        # One pass over J each costs less than the products' extra operations.
+    if not factors:
         program.row_products.clear()
         return rows, r, verdict
     # A block read from J's columns is read whole (its factors dropped); adjacent

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,6 +105,9 @@ class NormalEquations:
             CG solver preconditions with them (:mod:`secondorder.lm.kfac_cg`).
         host: the same numbers in NumPy when the system was formed on the host (a
             few float64 parameters, :class:`HostArrays`), else ``None``.
+        factor_gram: ``dtype -> J Jᵀ`` from the layers' factors when the outer-product
+            rule wrote every column of J (dual form, one slice, one process), else
+            ``None``; the dual Cholesky solver uses it when ``D`` is a multiple of I.
     """
 
     loss_sum: Tensor
@@ -118,6 +122,9 @@ class NormalEquations:
     dual_scale: Tensor | None = None
     kronecker: KroneckerStats | None = None
     host: HostArrays | None = field(default=None, repr=False, compare=False)
+    factor_gram: Callable[[torch.dtype], Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
     _host: tuple[bool, float, float] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -350,6 +357,21 @@ class _ScaledRows:
         return self.inv_sqrt_d * (self.js.T @ y)
 
 
+class _OuterRows:
+    """``J D⁻¹Jᵀ`` for ``D = d₀I`` from the factors' ``J Jᵀ``; ``δ = Jᵀy / d₀`` from J."""
+
+    def __init__(self, jac: Tensor, d0: float, outer: Tensor) -> None:
+        self.jac, self.inv_d = jac, 1.0 / d0
+        self.k = outer.mul_(self.inv_d)
+        #: ``Jδ`` of the last :meth:`step`.
+        self.image: Tensor | None = None
+
+    def step(self, y: Tensor) -> Tensor:
+        """``δ = Jᵀy / d₀`` (in J's dtype); its image ``Jδ = K y`` is kept in :attr:`image`."""
+        self.image = self.k @ y
+        return self.inv_d * (self.jac.T @ y.to(self.jac.dtype))
+
+
 class Factorization:
     """The reusable part of a solve for one iteration; :meth:`solve` runs per λ."""
 
@@ -449,8 +471,14 @@ class _CholeskyPrimal(Factorization):
 class _CholeskyDual(Factorization):
     """``δ = D^-½ Jsᵀ (Js Jsᵀ + λI)⁻¹ w`` with ``Js = J D^-½`` (push-through identity)."""
 
-    def __init__(self, jac: Tensor, d: Tensor, dtype: torch.dtype) -> None:
-        self.rows = _ScaledRows(jac, d, dtype)
+    def __init__(
+        self, jac: Tensor, d: Tensor, dtype: torch.dtype, outer: Tensor | None = None
+    ) -> None:
+        self.rows: _ScaledRows | _OuterRows
+        if outer is None:
+            self.rows = _ScaledRows(jac, d, dtype)
+        else:
+            self.rows = _OuterRows(jac, float(d[0]), outer)
         self.k = self.rows.k
 
     def _solve(self, damping: float, w: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -495,6 +523,10 @@ class CholeskySolver(LinearSolver):
             assert system.jac is not None
             jac = system.jac
             dtype = self.dtype or jac.dtype
+            if system.factor_gram is not None and bool((d == d[0]).all()):
+                # D = d₀I: J D⁻¹Jᵀ = J Jᵀ/d₀ from the layers' factors, cheap in any
+                # dtype, so the float32 attempt behind ``check`` would save nothing.
+                return _CholeskyDual(jac, d, dtype, system.factor_gram(dtype))
             if check is not None and dtype == torch.float64 and jac.dtype == torch.float32:
                 narrow = _CholeskyDual(jac, d, torch.float32)
                 if check.float32_suffices(narrow.k):

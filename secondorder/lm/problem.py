@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
-from .jacobian import JacobianStrategy, ResidualProgram
+from .jacobian import FactorGram, JacobianStrategy, ResidualProgram
 from .kfac_cg import KroneckerStats, kronecker_layers, slice_statistics
 from .linalg import LinearSolver, NormalEquations, gram_update
 from .model import ModelEvaluator, ModelFunction, slice_tree
@@ -102,6 +102,8 @@ class _Sums:
     jacs: list[Tensor]
     res: list[Tensor]
     count: int = 0
+    #: Per slice, ``J Jᵀ`` from the outer-product rule's factors, where it gave one.
+    outers: list[FactorGram | None] = field(default_factory=list)
 
 
 class ModelProblem:
@@ -247,7 +249,10 @@ class ModelProblem:
             # nonzero columns, over the number of rows.  No pass over J.
             tiny = torch.finfo(col_sq.dtype).tiny
             dual_scale = (col_sq > tiny).sum().to(torch.float64) / max(jac.shape[0], 1)
+        # J Jᵀ from the layers' factors: one slice on one device of one process.
+        outer = sums.outers[0] if len(sums.outers) == 1 and len(self.group) == 1 else None
         fields: dict[str, Any] = {
+            "factor_gram": outer if dual and self.reducer.world_size == 1 else None,
             "loss_sum": tally[0],
             "grad": sums.grad,
             "col_sq": col_sq,
@@ -297,9 +302,10 @@ class ModelProblem:
                     counts.append(r.numel())
                     r_wide = r.to(wide)
                     part_loss = torch.dot(r_wide, r_wide)
-                    part_grad = J.T @ r if products is None else products[0]
+                    part_grad = J.T @ r if products is None else products.grad
+                    sums.outers.append(None if products is None else products.outer)
                     if store:
-                        col = None if products is None else products[1]
+                        col = None if products is None else products.col_sq
                         part_col = (J * J).sum(0) if col is None else col
                     else:
                         sums.grams[k] = gram_update(

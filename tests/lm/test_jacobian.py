@@ -249,8 +249,9 @@ def test_one_step_is_the_same_for_every_strategy(case):
     results = {}
     for name in (*STRATEGIES, "auto"):
         model = copy.deepcopy(base)
-        # Nielsen's rule named: cross-entropy residuals default to the multiplicative one,
-        # and check_accepted_step reproduces Nielsen's λ.
+        # Nielsen's rule and Marquardt's D named: cross-entropy residuals default to the
+        # multiplicative rule and D = I, and check_accepted_step reproduces Nielsen's λ
+        # on the reference's Marquardt step.
         opt = so.LevenbergMarquardt(
             model,
             residual_fn,
@@ -259,6 +260,7 @@ def test_one_step_is_the_same_for_every_strategy(case):
             form="primal",
             damping=lam,
             damping_rule="nielsen",
+            damping_matrix="marquardt",
         )
         info = opt.step(x, y, slice_size=3)
         # ... and each is the damped Gauss-Newton step computed independently.
@@ -743,10 +745,17 @@ def test_reverse_outer_product_rule_matches_jacrev(make, shape, expect_rule, mon
     products = prob.program.row_products.take(J, col_sq=True)
     # A sequence dimension makes every block a sum of outer products: J is read whole.
     if expect_rule and x.ndim != 3:
-        assert products is not None and products[1] is not None
-        torch.testing.assert_close(products[0], J.T @ r, rtol=1e-12, atol=1e-14)
-        torch.testing.assert_close(products[1], (J * J).sum(0), rtol=1e-12, atol=1e-14)
+        assert products is not None and products.col_sq is not None
+        torch.testing.assert_close(products.grad, J.T @ r, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(products.col_sq, (J * J).sum(0), rtol=1e-12, atol=1e-14)
         assert prob.program.row_products.take(J, col_sq=True) is None
+        # J Jᵀ from the factors where every column is one outer product per row.
+        whole = J.shape[0] == x.shape[0] and x.ndim == 2 and not isinstance(model, _Tied)
+        if whole:
+            assert products.outer is not None
+            torch.testing.assert_close(products.outer(DT), J @ J.T, rtol=1e-12, atol=1e-13)
+        else:
+            assert products.outer is None
     else:
         assert products is None
     if expect_rule is None:
@@ -758,16 +767,22 @@ def test_reverse_outer_product_rule_matches_jacrev(make, shape, expect_rule, mon
 
 
 def test_row_products_from_factors_only_where_j_is_large():
-    """At the default thresholds: a small J (or narrow layers) gives no products, so
-    the optimizer makes its one pass over J; a wide layer's J gives them, equal to
-    that pass.  The rows are held weakly: the pooled buffer is not kept busy."""
+    """At the default thresholds a small J gives its one pass over J for each (bitwise
+    the optimizer's products before factors); a large one gives them from the
+    factors, equal to that pass.  The rows are held weakly: the pooled buffer is not
+    kept busy."""
     torch.manual_seed(0)
-    small = mlp(3, 2)
+    small = mlp(20, 3, hidden=16)  # a wide first layer, a narrow second one
     prob = make_problem(small, so.residuals.mse)
     params = {k: p.detach() for k, p in small.named_parameters()}
-    x, y = torch.randn(9, 3, dtype=DT), torch.randn(9, 2, dtype=DT)
-    J, _ = make_jacobian("reverse")(prob.program, params, x, y)
-    assert prob.program.row_products.take(J, col_sq=True) is None
+    x, y = torch.randn(9, 20, dtype=DT), torch.randn(9, 3, dtype=DT)
+    J, r = make_jacobian("reverse")(prob.program, params, x, y)
+    small_sums = prob.program.row_products.take(J, col_sq=True)
+    # A small J: its one pass each, exactly the products the optimizer made before.
+    assert small_sums is not None and small_sums.col_sq is not None
+    assert torch.equal(small_sums.grad, J.T @ r)
+    assert torch.equal(small_sums.col_sq, (J * J).sum(0))
+    assert small_sums.outer is None  # three residuals per sample
     wide = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 10)).to(DT)
     prob = make_problem(wide, so.residuals.cross_entropy)
     params = {k: p.detach() for k, p in wide.named_parameters()}
@@ -776,8 +791,8 @@ def test_row_products_from_factors_only_where_j_is_large():
     assert J.numel() >= jacobian._FACTOR_MIN_ENTRIES
     held = prob.program.row_products
     products = held.take(J, col_sq=False)
-    assert products is not None and products[1] is None
-    torch.testing.assert_close(products[0], J.T @ r, rtol=1e-12, atol=1e-14)
+    assert products is not None and products.col_sq is None
+    torch.testing.assert_close(products.grad, J.T @ r, rtol=1e-12, atol=1e-14)
     J2, _ = make_jacobian("reverse")(prob.program, params, x, y)
     del J2
     assert held._rows is not None and held._rows() is None  # not kept alive

@@ -132,3 +132,76 @@ def test_primal_factorisations_leave_the_image_to_the_system() -> None:
     fact = make_solver("cholesky", torch.float64).factor(system, system.col_sq)
     assert fact.solve(1.0, system.grad, None) is not None
     assert fact.image() is None
+
+
+def test_dual_cholesky_from_the_factor_gram_matches_the_primal_solve() -> None:
+    """With ``D = d₀I`` the dual Cholesky takes ``J Jᵀ`` from ``factor_gram`` (here the
+    exact product, in float64): its step and image against ``torch.linalg.solve`` of
+    ``(JᵀJ + λd₀I) δ = Jᵀw``; with any other D it forms ``Js Jsᵀ`` itself."""
+    m, n = 60, 500
+    jac = _case(m, n, torch.float32, seed=8)
+    w = torch.randn(m, generator=torch.Generator().manual_seed(9))
+    calls: list[torch.dtype] = []
+
+    def outer(dtype: torch.dtype) -> Tensor:
+        calls.append(dtype)
+        return jac.to(dtype) @ jac.to(dtype).T
+
+    system = _system(jac, w)
+    system.factor_gram = outer
+    d0 = 3.0
+    fact = make_solver("cholesky", torch.float64).factor(system, torch.full((n,), d0))
+    assert calls == [torch.float64]
+    j64 = jac.double()
+    for lam in (1e-8, 1e-2, 1.0):
+        got = fact.solve(lam, jac.T @ w, w)
+        image = fact.image()
+        assert got is not None and image is not None
+        ref = torch.linalg.solve(
+            j64.T @ j64 + lam * d0 * torch.eye(n, dtype=torch.float64), j64.T @ w.double()
+        )
+        assert float((got.double() - ref).norm() / ref.norm()) <= 1e-5
+        torch.testing.assert_close(image, j64 @ got.double(), rtol=1e-5, atol=1e-6)
+    # Marquardt's D (not a multiple of I): the factors' J Jᵀ does not apply.
+    make_solver("cholesky", torch.float64).factor(system, system.col_sq)
+    assert calls == [torch.float64]
+
+
+def _classifier_steps(monkeypatch: pytest.MonkeyPatch, factors: bool) -> tuple[Tensor, list]:
+    """Three default dual steps of a wide MLP classifier (D = I); ``factors=False``
+    keeps every layer out of the outer-product factors, so K is ``Js Jsᵀ``."""
+    import secondorder as so
+    from secondorder.lm import jacobian
+
+    if not factors:
+        monkeypatch.setattr(jacobian, "_FACTOR_GAIN", 10**9)
+    calls = []
+    real = jacobian.FactorGram.__call__
+    monkeypatch.setattr(
+        jacobian.FactorGram,
+        "__call__",
+        lambda self, dtype: calls.append(dtype) or real(self, dtype),
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5))
+    x, y = torch.randn(48, 20), torch.randint(0, 5, (48,))
+    opt = so.LevenbergMarquardt(model, so.residuals.cross_entropy, gram_dtype=torch.float64)
+    infos = [opt.step(x, y) for _ in range(3)]
+    monkeypatch.undo()
+    # One J Jᵀ per step from the factors, or none.
+    assert calls == ([torch.float64] * 3 if factors else [])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), infos
+
+
+def test_classifier_dual_steps_from_the_factors_match_the_rows_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The classifier defaults' dual steps with ``J Jᵀ`` from the factors against the
+    same steps with ``Js Jsᵀ`` formed from J (float64 both): the same attempts and λ,
+    parameters within float32 rounding."""
+    after, infos = _classifier_steps(monkeypatch, factors=True)
+    ref, ref_infos = _classifier_steps(monkeypatch, factors=False)
+    assert all(i.form == "dual" and i.accepted for i in infos)
+    assert [i.attempts for i in infos] == [i.attempts for i in ref_infos]
+    assert [i.damping for i in infos] == [i.damping for i in ref_infos]
+    torch.testing.assert_close(after, ref, rtol=1e-4, atol=1e-5)

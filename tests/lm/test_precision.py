@@ -453,8 +453,15 @@ def _dual_step(gram_dtype: torch.dtype | str, duplicated: bool) -> tuple:
     y = torch.randint(0, 4, (16,))
     if duplicated:  # every sample twice: J's rows are pairwise equal, K is singular
         x, y = torch.cat([x[:8], x[:8]]), torch.cat([y[:8], y[:8]])
+    # Marquardt's D: with the classifiers' default D = I the dual matrix comes from the
+    # layers' factors in float64 and no float32 check is made.
     opt = so.LevenbergMarquardt(
-        model, so.residuals.cross_entropy, form="dual", gram_dtype=gram_dtype, damping=1e-9
+        model,
+        so.residuals.cross_entropy,
+        form="dual",
+        gram_dtype=gram_dtype,
+        damping=1e-9,
+        damping_matrix="marquardt",
     )
     info = opt.step(x, y)
     return info, _params(model), opt

@@ -158,17 +158,23 @@ class FactorGram:
     Row i of J holds ``vec(gᵢaᵢᵀ)`` and ``gᵢ`` for each layer, so
     ``Jᵢ·Jⱼ = Σ_layers (gᵢ·gⱼ)(aᵢ·aⱼ + 1)`` (the 1 for the bias): a Hadamard product
     of two small Grams per layer, m²(fan_out + fan_in) multiply-adds where the
-    product of J's rows costs m²·n.  Cheap enough in float64 at any λ.
+    product of J's rows costs m²·n.  The few columns that are not one outer product
+    per row (a convolution's, a narrow layer's) add their own block's product.  Cheap
+    enough in float64 at any λ.
     """
 
-    def __init__(self, factors: list[_Factors]) -> None:
-        self.factors = factors
+    def __init__(
+        self, factors: list[_Factors], rows: Tensor, blocks: list[tuple[int, int]]
+    ) -> None:
+        self.factors, self.rows, self.blocks = factors, rows, blocks
 
     def __call__(self, dtype: torch.dtype) -> Tensor:
         """``J Jᵀ`` in ``dtype``."""
-        f0 = self.factors[0]
-        m = f0.g.shape[0]
-        out = torch.zeros(m, m, dtype=dtype, device=f0.g.device)
+        m = self.rows.shape[0]
+        out = torch.zeros(m, m, dtype=dtype, device=self.rows.device)
+        for lo, hi in self.blocks:
+            block = self.rows[:, lo:hi].to(dtype)
+            out.addmm_(block, block.T)
         for f in self.factors:
             g = f.g.to(dtype)
             gg = g @ g.T
@@ -225,12 +231,14 @@ class RowProducts:
         self.clear()
         if held is None or held is not rows or r is None:
             return None
-        # One residual per sample and every column a factor's: J Jᵀ from the factors.
-        whole = not from_rows and all(f.g.shape[0] == rows.shape[0] for f in factors)
-        outer = FactorGram(factors) if whole else None
+        # One residual per sample and at most a quarter of the columns read from J:
+        # J Jᵀ from the factors.
+        n = rows.shape[1]
+        read = sum(hi - lo for lo, hi in from_rows)
+        per_sample = all(f.g.shape[0] == rows.shape[0] for f in factors)
+        outer = FactorGram(factors, rows, from_rows) if per_sample and 4 * read <= n else None
         if rows.numel() < _FACTOR_MIN_ENTRIES:
             return RowSums(rows.T @ r, (rows * rows).sum(0) if col_sq else None, outer)
-        n = rows.shape[1]
         grad = torch.zeros(n, dtype=rows.dtype, device=rows.device)
         col = torch.zeros(n, dtype=rows.dtype, device=rows.device) if col_sq else None
         for f in factors:

@@ -798,6 +798,51 @@ def test_row_products_from_factors_only_where_j_is_large():
     assert held._rows is not None and held._rows() is None  # not kept alive
 
 
+@pytest.mark.parametrize(
+    ("make", "shape", "residual_fn", "blocks"),
+    [
+        (  # the narrow last layer's 33 columns read from J
+            lambda: nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(DT),
+            (9, 16),
+            so.residuals.mse,
+            [(544, 577)],
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 10)).to(DT),
+            (9, 20),
+            so.residuals.cross_entropy,
+            [],
+        ),
+        (  # a convolution's 20 columns read from J, the linear layer's 730 from factors
+            lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(72, 10)),
+            (9, 1, 8, 8),
+            so.residuals.cross_entropy,
+            [(0, 20)],
+        ),
+    ],
+    ids=["mlp", "classifier", "conv"],
+)
+def test_factor_gram_is_j_jt(make, shape, residual_fn, blocks):
+    """``J Jᵀ`` from the layers' factors (and J's own blocks where a layer has no
+    factors) against the product of the rule's rows, float64 and float32."""
+    torch.manual_seed(5)
+    model = make().to(DT)
+    x = torch.randn(*shape, dtype=DT)
+    with torch.no_grad():
+        out = model(x)
+    y = torch.randint(0, 10, (shape[0],)) if residual_fn is so.residuals.cross_entropy else out
+    y = y if residual_fn is so.residuals.cross_entropy else torch.randn_like(out)
+    prob = make_problem(model, residual_fn)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    J, _ = make_jacobian("reverse")(prob.program, params, x, y)
+    sums = prob.program.row_products.take(J, col_sq=False)
+    assert sums is not None and sums.outer is not None
+    assert sums.outer.blocks == blocks
+    torch.testing.assert_close(sums.outer(DT), J @ J.T, rtol=1e-12, atol=1e-12)
+    j32 = J.float()
+    torch.testing.assert_close(sums.outer(torch.float32), j32 @ j32.T, rtol=1e-5, atol=1e-5)
+
+
 def test_outer_product_rule_is_checked_once_per_input_signature():
     model = mlp(3, 2)
     prob = make_problem(model, so.residuals.mse)

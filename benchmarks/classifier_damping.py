@@ -1,0 +1,106 @@
+"""Classifiers on mini-batches: the damping matrix D = I against Marquardt's diag(JᵀJ).
+
+    PYTHONPATH=. python -m benchmarks.classifier_damping [--inits 4] [--threads 2]
+        [--problems digits_mlp digits_cnn wide_dual]
+
+For each of the bench's digits problems (its quick budget of steps, its batches) and
+each initialisation, LM trains once with its classifier defaults (``D = I``), once
+with ``damping_matrix="marquardt"`` and torch-levenberg-marquardt once, from the same
+weights; initialisation 0 is the bench's own, the others re-draw every layer's
+parameters from ``torch.manual_seed(k)``.  Prints the test accuracy and the training
+cross-entropy of each run and the median seconds per step (inside the optimizer's
+step only), with the date, the thread count and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .core import Method, Problem, batches
+from .lm_methods import lm_method, tlm_method
+from .lm_problems import build_problems
+
+PROBLEMS = ("digits_mlp", "digits_cnn", "wide_dual")
+
+
+def _model(problem: Problem, init: int) -> nn.Module:
+    model = problem.make_model()
+    if init:
+        torch.manual_seed(init)
+        for module in model.modules():
+            if module is not model and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model
+
+
+def run(problem: Problem, method: Method, init: int) -> dict[str, Any]:
+    """Train ``problem``'s model from initialisation ``init`` with ``method``."""
+    assert method.make is not None
+    model = _model(problem, init)
+    step = method.make(problem, model)
+    queue: list[Any] = []
+    epoch, seconds = 0, []
+    for _ in range(problem.max_steps):
+        if not queue:
+            queue = batches(problem, epoch)
+            epoch += 1
+        x, y = queue.pop(0)
+        t0 = time.perf_counter()
+        step(x, y)
+        seconds.append(time.perf_counter() - t0)
+    with torch.no_grad():
+        xt, yt = problem.test
+        acc = float((model(xt).argmax(1) == yt).float().mean())
+        xs, ys = problem.train
+        ce = float(nn.functional.cross_entropy(model(xs), ys))
+    return {"acc": acc, "ce": ce, "step_s": statistics.median(seconds)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every problem, method and initialisation; print one line per method."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--inits", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(
+        f"{now:%Y-%m-%d %H:%M} UTC, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}, load {os.getloadavg()[0]:.2f}, initialisations 0-{args.inits - 1}"
+    )
+    problems = build_problems(quick=True, keys=args.problems)
+    for key, problem in problems.items():
+        methods = {
+            "LM defaults (D = I)": lm_method("LM defaults", {}),
+            "LM, D = Marquardt": lm_method("LM marquardt", {"damping_matrix": "marquardt"}),
+            "torch-levenberg-marquardt": tlm_method(problem),
+        }
+        for name, method in methods.items():
+            if method.make is None:
+                print(f"{key:10s} {name:26s} skipped: {method.skipped}")
+                continue
+            runs = [run(problem, method, init) for init in range(args.inits)]
+            accs = " ".join(f"{r['acc']:.3f}" for r in runs)
+            ces = " ".join(f"{r['ce']:.3g}" for r in runs)
+            ms = statistics.median(r["step_s"] for r in runs) * 1e3
+            print(
+                f"{key:10s} {name:26s} test acc {accs} | train CE {ces} | "
+                f"{ms:.1f} ms/step ({problem.max_steps} steps)",
+                flush=True,
+            )
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -224,8 +224,12 @@ class RowProducts:
         """Forget the last rows (a strategy that returned other rows)."""
         self._rows, self._r, self._factors, self._from_rows = None, None, [], []
 
-    def take(self, rows: Tensor, col_sq: bool) -> RowSums | None:
-        """:class:`RowSums` for ``rows`` if the rule recorded them, else ``None``."""
+    def take(self, rows: Tensor, col_sq: bool, outer: bool = False) -> RowSums | None:
+        """:class:`RowSums` for ``rows`` if the rule recorded them, else ``None``.
+
+        ``outer``: whether to hand out ``J Jᵀ`` too (it holds the rows: ask only where
+        they are kept anyway, as the dual form keeps them).
+        """
         held = None if self._rows is None else self._rows()
         r, factors, from_rows = self._r, self._factors, self._from_rows
         self.clear()
@@ -236,9 +240,11 @@ class RowProducts:
         n = rows.shape[1]
         read = sum(hi - lo for lo, hi in from_rows)
         per_sample = all(f.g.shape[0] == rows.shape[0] for f in factors)
-        outer = FactorGram(factors, rows, from_rows) if per_sample and 4 * read <= n else None
+        gram = (
+            FactorGram(factors, rows, from_rows) if outer and per_sample and 4 * read <= n else None
+        )
         if rows.numel() < _FACTOR_MIN_ENTRIES:
-            return RowSums(rows.T @ r, (rows * rows).sum(0) if col_sq else None, outer)
+            return RowSums(rows.T @ r, (rows * rows).sum(0) if col_sq else None, gram)
         grad = torch.zeros(n, dtype=rows.dtype, device=rows.device)
         col = torch.zeros(n, dtype=rows.dtype, device=rows.device) if col_sq else None
         for f in factors:
@@ -248,7 +254,7 @@ class RowProducts:
             grad[lo:hi] += block.T @ r
             if col is not None:
                 col[lo:hi] += (block * block).sum(0)
-        return RowSums(grad, col, outer)
+        return RowSums(grad, col, gram)
 
 
 def _add_products(f: _Factors, grad: Tensor, col: Tensor | None) -> None:

@@ -295,7 +295,7 @@ class ModelProblem:
                     J, r = self.strategy(program, points[k], inputs, targets)
                     # Jᵀr and diag(JᵀJ) from the layers' factors when the outer-product
                     # rule wrote these rows, else a pass over J each.
-                    products = program.row_products.take(J, col_sq=store)
+                    products = program.row_products.take(J, col_sq=store, outer=store)
                     J = J.detach()
                     r = r.detach()
                     sums.count += r.numel()

@@ -129,3 +129,18 @@ def test_a_memory_limit_without_room_for_the_kept_rows_turns_the_pool_off() -> N
         assert opt.memory_plan is not None and not opt.memory_plan.pooled_rows
         assert opt.memory_plan.slice_size == 100
         assert pool.free_bytes("cpu") == 0 and pool.reused == 0
+
+
+def test_wide_layers_in_slices_still_reuse_the_rows() -> None:
+    """A wide layer's products come from its factors, and those hold J's rows only
+    weakly in the primal form: each slice of each step reuses the pooled buffer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    x = torch.randn(4096, 32)
+    y = torch.randn(4096, 1)
+    opt = so.LevenbergMarquardt(model, jacobian="reverse", form="primal", solver="cholesky")
+    pool = opt._function.program.rows_pool
+    for _ in range(3):
+        opt.step(x, y, slice_size=1024)
+    # 12 slices: every take after the first reuses the buffer.
+    assert 1024 * 1089 >= 1 << 20 and pool.reused == 11

@@ -742,7 +742,7 @@ def test_reverse_outer_product_rule_matches_jacrev(make, shape, expect_rule, mon
     torch.testing.assert_close(J, jacrev(f)(x0), rtol=0, atol=1e-12)
     assert float(J.abs().max()) > 1e-2
     # Jᵀr and diag(JᵀJ) from the layers' factors, for the rule's rows only, once.
-    products = prob.program.row_products.take(J, col_sq=True)
+    products = prob.program.row_products.take(J, col_sq=True, outer=True)
     # A sequence dimension makes every block a sum of outer products: J is read whole.
     if expect_rule and x.ndim != 3:
         assert products is not None and products.col_sq is not None
@@ -777,7 +777,7 @@ def test_row_products_from_factors_only_where_j_is_large():
     params = {k: p.detach() for k, p in small.named_parameters()}
     x, y = torch.randn(9, 20, dtype=DT), torch.randn(9, 3, dtype=DT)
     J, r = make_jacobian("reverse")(prob.program, params, x, y)
-    small_sums = prob.program.row_products.take(J, col_sq=True)
+    small_sums = prob.program.row_products.take(J, col_sq=True, outer=True)
     # A small J: its one pass each, exactly the products the optimizer made before.
     assert small_sums is not None and small_sums.col_sq is not None
     assert torch.equal(small_sums.grad, J.T @ r)
@@ -791,7 +791,8 @@ def test_row_products_from_factors_only_where_j_is_large():
     assert J.numel() >= jacobian._FACTOR_MIN_ENTRIES
     held = prob.program.row_products
     products = held.take(J, col_sq=False)
-    assert products is not None and products.col_sq is None
+    # J Jᵀ only when asked for: it holds the rows (the primal form lets them go).
+    assert products is not None and products.col_sq is None and products.outer is None
     torch.testing.assert_close(products.grad, J.T @ r, rtol=1e-12, atol=1e-14)
     J2, _ = make_jacobian("reverse")(prob.program, params, x, y)
     del J2
@@ -835,7 +836,7 @@ def test_factor_gram_is_j_jt(make, shape, residual_fn, blocks):
     prob = make_problem(model, residual_fn)
     params = {k: p.detach() for k, p in model.named_parameters()}
     J, _ = make_jacobian("reverse")(prob.program, params, x, y)
-    sums = prob.program.row_products.take(J, col_sq=False)
+    sums = prob.program.row_products.take(J, col_sq=False, outer=True)
     assert sums is not None and sums.outer is not None
     assert sums.outer.blocks == blocks
     torch.testing.assert_close(sums.outer(DT), J @ J.T, rtol=1e-12, atol=1e-12)

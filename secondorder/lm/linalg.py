@@ -469,7 +469,10 @@ class _CholeskyPrimal(Factorization):
 
 
 class _CholeskyDual(Factorization):
-    """``δ = D^-½ Jsᵀ (Js Jsᵀ + λI)⁻¹ w`` with ``Js = J D^-½`` (push-through identity)."""
+    """``δ = D^-½ Jsᵀ (Js Jsᵀ + λI)⁻¹ w`` with ``Js = J D^-½`` (push-through identity).
+
+    With ``outer`` (``J Jᵀ`` in ``dtype``, given when ``D = d₀I``) no ``Js`` is formed.
+    """
 
     def __init__(
         self, jac: Tensor, d: Tensor, dtype: torch.dtype, outer: Tensor | None = None
@@ -504,7 +507,8 @@ class CholeskySolver(LinearSolver):
     """Cholesky factorisation of the damped normal matrix, once per λ.
 
     Primal: ``JᵀJ + λD`` (n×n).  Dual (fewer residuals than parameters):
-    ``Js Jsᵀ + λI`` (m×m) with ``Js = J D^-½``, then ``δ = D^-½ Jsᵀ y``.
+    ``Js Jsᵀ + λI`` (m×m) with ``Js = J D^-½``, then ``δ = D^-½ Jsᵀ y``; with
+    ``D = d₀I`` and the system's ``factor_gram``, ``J Jᵀ/d₀`` from the layers' factors.
     """
 
     name = "cholesky"

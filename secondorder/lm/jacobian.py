@@ -141,15 +141,19 @@ class RowSums:
     """What :meth:`RowProducts.take` hands out for one slice's rows.
 
     Attributes:
-        grad: ``Jᵀr``.
+        grad: ``Jᵀr``; ``None`` when ``augmented`` is handed out instead.
         col_sq: ``diag(JᵀJ)`` when asked for, else ``None``.
         outer: ``J Jᵀ`` from the layers' factors (:class:`FactorGram`) when every
             column of J is one outer product per row, else ``None``.
+        augmented: ``[J r]`` (rows × (n + 1)), the buffer J lives in with r as its
+            last column, when asked for: the Gram of it carries ``JᵀJ`` and ``Jᵀr``
+            in one product, without a pass over J for ``Jᵀr``.
     """
 
-    grad: Tensor
+    grad: Tensor | None
     col_sq: Tensor | None
     outer: FactorGram | None
+    augmented: Tensor | None = None
 
 
 class FactorGram:
@@ -209,35 +213,56 @@ class RowProducts:
 
     def __init__(self) -> None:
         self._rows: weakref.ref[Tensor] | None = None
+        #: Whether the rows' buffer holds r as one more column.
+        self._with_r = False
         self._factors: list[_Factors] = []
         self._from_rows: list[tuple[int, int]] = []
         self._r: Tensor | None = None
 
     def record(
-        self, rows: Tensor, r: Tensor, factors: list[_Factors], from_rows: list[tuple[int, int]]
+        self,
+        rows: Tensor,
+        r: Tensor,
+        factors: list[_Factors],
+        from_rows: list[tuple[int, int]],
+        with_r: bool = False,
     ) -> None:
-        """Remember ``rows`` (J, 2-D), ``r`` and what J's column ranges were written from."""
-        self._rows = weakref.ref(rows)
+        """Remember ``rows`` (J, 2-D), ``r`` and how J's column ranges were written.
+
+        ``with_r``: ``rows`` is the first n columns of a buffer whose last column is r.
+        """
+        self._rows, self._with_r = weakref.ref(rows), with_r
         self._r, self._factors, self._from_rows = r, factors, from_rows
 
     def clear(self) -> None:
         """Forget the last rows (a strategy that returned other rows)."""
-        self._rows, self._r, self._factors, self._from_rows = None, None, [], []
+        self._rows, self._with_r, self._r = None, False, None
+        self._factors, self._from_rows = [], []
 
-    def take(self, rows: Tensor, col_sq: bool, outer: bool = False) -> RowSums | None:
+    def take(
+        self, rows: Tensor, col_sq: bool, outer: bool = False, augmented: bool = False
+    ) -> RowSums | None:
         """:class:`RowSums` for ``rows`` if the rule recorded them, else ``None``.
 
         ``outer``: whether to hand out ``J Jᵀ`` too (it holds the rows: ask only where
-        they are kept anyway, as the dual form keeps them).
+        they are kept anyway, as the dual form keeps them).  ``augmented``: hand out
+        ``[J r]`` in place of ``Jᵀr`` (for a Gram of one slice).
         """
         held = None if self._rows is None else self._rows()
+        with_r = self._with_r
         r, factors, from_rows = self._r, self._factors, self._from_rows
         self.clear()
         if held is None or held is not rows or r is None:
             return None
+        m, n = rows.shape
+        if augmented and with_r and rows.stride() == (n + 1, 1):
+            # [J r]: the same storage, one column wider (the rule wrote r there).
+            wide = rows.as_strided((m, n + 1), (n + 1, 1), rows.storage_offset())
+            return RowSums(None, None, None, wide)
+        if not factors:
+            return None  # one pass over J each, as the caller makes them
         # One residual per sample and at most a quarter of the columns read from J:
         # J Jᵀ from the factors.
-        n = rows.shape[1]
         read = sum(hi - lo for lo, hi in from_rows)
         per_sample = all(f.g.shape[0] == rows.shape[0] for f in factors)
         gram = (
@@ -594,7 +619,9 @@ def _linear_rule(
     k = r.numel() // batch
     outs = _layer_outputs(calls, batch)
     p0 = next(iter(params.values()))
-    jac = program.rows_pool.take((batch, k, n), p0.dtype, p0.device)
+    # J's rows with one more column, for r: the Gram of [J r] carries Jᵀr (RowSums).
+    buffer = program.rows_pool.take((batch, k, n + 1), p0.dtype, p0.device)
+    jac = buffer[..., :n]
     rk = r.view(batch, k)
     checks = _autograd_sums(rk, leaves, program.order, k) if verify else []
     factors: list[_Factors] = []
@@ -606,9 +633,7 @@ def _linear_rule(
                 jac[:, j, starts[name] : starts[name] + size] = 0.0
     verdict = _verdict(jac, r, checks) if verify else None
     rows, r = jac.view(batch * k, n), r.detach()
-    if not factors:
-        program.row_products.clear()
-        return rows, r, verdict
+    buffer[..., n] = rk.detach()
     # A block read from J's columns is read whole (its factors dropped); adjacent
     # blocks are read as one.
     size_of = dict(zip(program.order, numels, strict=True))
@@ -628,7 +653,7 @@ def _linear_rule(
         )
         for f in factors
     ]
-    program.row_products.record(rows, r, kept, read)
+    program.row_products.record(rows, r, kept, read, with_r=True)
     return rows, r, verdict
 
 

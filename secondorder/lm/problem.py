@@ -285,6 +285,11 @@ class ModelProblem:
             res=[],
         )
         store = self.store_rows
+        # A Gram of one slice, on one device of one process: the Gram of [J r] gives
+        # Jᵀr with JᵀJ (the rows' pooled buffer holds r as a last column).
+        setup = self.setup
+        one_slice = not setup.strategy.per_sample or setup.slice_size >= setup.batch_size
+        augment = not store and one_slice and len(group) == 1 and self.reducer.world_size == 1
         points = self.function.points(x)
         for replica in self.replicas:
             replica.program.rows_pool.keep = self.setup.pool_rows
@@ -295,21 +300,30 @@ class ModelProblem:
                     J, r = self.strategy(program, points[k], inputs, targets)
                     # Jᵀr and diag(JᵀJ) from the layers' factors when the outer-product
                     # rule wrote these rows, else a pass over J each.
-                    products = program.row_products.take(J, col_sq=store, outer=store)
+                    products = program.row_products.take(
+                        J, col_sq=store, outer=store, augmented=augment
+                    )
                     J = J.detach()
                     r = r.detach()
                     sums.count += r.numel()
                     counts.append(r.numel())
                     r_wide = r.to(wide)
                     part_loss = torch.dot(r_wide, r_wide)
-                    part_grad = J.T @ r if products is None else products.grad
                     sums.outers.append(None if products is None else products.outer)
+                    grad = None if products is None else products.grad
+                    augmented = None if products is None else products.augmented
+                    if augmented is not None:
+                        full = gram_update(None, augmented, self.gram_dtype, setup.gram_chunk)
+                        sums.grams[k] = full[:n, :n]
+                        part_grad = full[:n, n].to(x.dtype)
+                    else:
+                        part_grad = J.T @ r if grad is None else grad
                     if store:
                         col = None if products is None else products.col_sq
                         part_col = (J * J).sum(0) if col is None else col
-                    else:
+                    elif augmented is None:
                         sums.grams[k] = gram_update(
-                            sums.grams[k], J, self.gram_dtype, self.setup.gram_chunk
+                            sums.grams[k], J, self.gram_dtype, setup.gram_chunk
                         )
                 # The vectors are added on the solver device in slice order, as one
                 # device would add them.
@@ -321,7 +335,7 @@ class ModelProblem:
                     sums.res.append(group.gather(r))
                 # Let go of this slice's rows before the next is computed: the
                 # outer-product rule then writes that one into the same pooled buffer.
-                del J, r
+                del J, r, products, augmented
         return sums
 
     def _zero_sums(self, x: Tensor) -> _Sums:

@@ -106,7 +106,8 @@ def test_the_plan_counts_the_pooled_rows_as_free() -> None:
     for _ in range(PLAN_RECHECK_STEPS + 1):
         opt.step(x, torch.sinc(5 * x))
     pooled = opt._function.program.rows_pool.free_bytes("cpu")
-    assert pooled == 300 * sum(p.numel() for p in model.parameters()) * 4
+    # J's rows and one more column, for r (the Gram of [J r] carries Jᵀr).
+    assert pooled == 300 * (sum(p.numel() for p in model.parameters()) + 1) * 4
     plan = opt.plan(x, torch.sinc(5 * x))
     assert plan.available_bytes is not None and plan.available_bytes >= pooled
     assert "J's pooled rows" in plan.available_source

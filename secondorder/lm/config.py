@@ -55,6 +55,9 @@ class LMConfig:
             default (``benchmarks/NOTES.md``, "Fewer steps on sinc").  Only with
             ``damping_rule="nielsen"``.
         damping_matrix: ``"marquardt"`` (diag JᵀJ), ``"identity"`` or ``"more"``.
+            :meth:`for_residual` makes ``"identity"`` the default of the cross-entropy
+            adapters: on mini-batches Marquardt's per-batch scaling barely damps the
+            weights a batch hardly touches (``classifier_defaults``).
         damping_min, damping_max: bounds on λ; reaching the maximum ends training.
         jacobian: ``"auto"``, ``"reverse"``, ``"forward"``, ``"batch_reverse"``,
             ``"batch_forward"`` (see :mod:`secondorder.jacobian`).

@@ -180,6 +180,8 @@ class FactorGram:
             block = self.rows[:, lo:hi].to(dtype)
             out.addmm_(block, block.T)
         for f in self.factors:
+            if f.weight is None and f.bias is None:
+                continue  # both blocks are read from J (a layer called twice, say)
             g = f.g.to(dtype)
             gg = g @ g.T
             if f.weight is None:

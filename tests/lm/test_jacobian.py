@@ -799,6 +799,20 @@ def test_row_products_from_factors_only_where_j_is_large():
     assert held._rows is not None and held._rows() is None  # not kept alive
 
 
+class _TwiceCalled(nn.Module):
+    """A wide first layer, a layer called twice, a head of 10 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(200, 64)
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.b(torch.tanh(self.a(x))))))
+        return self.c(h)
+
+
 @pytest.mark.parametrize(
     ("make", "shape", "residual_fn", "blocks"),
     [
@@ -820,8 +834,14 @@ def test_row_products_from_factors_only_where_j_is_large():
             so.residuals.cross_entropy,
             [(0, 20)],
         ),
+        (  # a layer called twice: its 4,160 columns read from J, its factors dropped
+            lambda: _TwiceCalled(),
+            (9, 200),
+            so.residuals.cross_entropy,
+            [(12864, 17024)],
+        ),
     ],
-    ids=["mlp", "classifier", "conv"],
+    ids=["mlp", "classifier", "conv", "layer-called-twice"],
 )
 def test_factor_gram_is_j_jt(make, shape, residual_fn, blocks):
     """``J Jᵀ`` from the layers' factors (and J's own blocks where a layer has no

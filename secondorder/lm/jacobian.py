@@ -215,8 +215,6 @@ class RowProducts:
 
     def __init__(self) -> None:
         self._rows: weakref.ref[Tensor] | None = None
-        #: Whether the rows' buffer holds r as one more column.
-        self._with_r = False
         self._factors: list[_Factors] = []
         self._from_rows: list[tuple[int, int]] = []
         self._r: Tensor | None = None
@@ -227,18 +225,17 @@ class RowProducts:
         r: Tensor,
         factors: list[_Factors],
         from_rows: list[tuple[int, int]],
-        with_r: bool = False,
     ) -> None:
         """Remember ``rows`` (J, 2-D), ``r`` and how J's column ranges were written.
 
-        ``with_r``: ``rows`` is the first n columns of a buffer whose last column is r.
+        ``rows`` are the first n columns of a buffer whose last column is r.
         """
-        self._rows, self._with_r = weakref.ref(rows), with_r
+        self._rows = weakref.ref(rows)
         self._r, self._factors, self._from_rows = r, factors, from_rows
 
     def clear(self) -> None:
         """Forget the last rows (a strategy that returned other rows)."""
-        self._rows, self._with_r, self._r = None, False, None
+        self._rows, self._r = None, None
         self._factors, self._from_rows = [], []
 
     def take(
@@ -251,13 +248,12 @@ class RowProducts:
         ``[J r]`` in place of ``Jᵀr`` (for a Gram of one slice).
         """
         held = None if self._rows is None else self._rows()
-        with_r = self._with_r
         r, factors, from_rows = self._r, self._factors, self._from_rows
         self.clear()
         if held is None or held is not rows or r is None:
             return None
         m, n = rows.shape
-        if augmented and with_r and rows.stride() == (n + 1, 1):
+        if augmented and rows.stride() == (n + 1, 1):
             # [J r]: the same storage, one column wider (the rule wrote r there).
             wide = rows.as_strided((m, n + 1), (n + 1, 1), rows.storage_offset())
             return RowSums(None, None, None, wide)
@@ -655,7 +651,7 @@ def _linear_rule(
         )
         for f in factors
     ]
-    program.row_products.record(rows, r, kept, read, with_r=True)
+    program.row_products.record(rows, r, kept, read)
     return rows, r, verdict
 
 

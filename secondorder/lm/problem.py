@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -102,8 +102,8 @@ class _Sums:
     jacs: list[Tensor]
     res: list[Tensor]
     count: int = 0
-    #: Per slice, ``J Jᵀ`` from the outer-product rule's factors, where it gave one.
-    outers: list[FactorGram | None] = field(default_factory=list)
+    #: ``J Jᵀ`` from the outer-product rule's factors (one slice, device and process).
+    outer: FactorGram | None = None
 
 
 class ModelProblem:
@@ -196,9 +196,7 @@ class ModelProblem:
     def slices(self) -> Iterator[tuple[Any, Any]]:
         """The batch's slices as ``(inputs, targets)`` pairs, in order."""
         setup = self.setup
-        if not setup.strategy.per_sample or setup.slice_size >= setup.batch_size:
-            # Samples interact (or the residual needs the model itself): never slice.
-            # A slice as large as the batch is the batch itself (no views to make).
+        if self._one_slice():
             yield setup.inputs, setup.targets
             return
         step = setup.slice_size
@@ -206,6 +204,15 @@ class ModelProblem:
             stop = min(start + step, setup.batch_size)
             targets = slice_tree(setup.targets, start, stop) if setup.targets is not None else None
             yield slice_tree(setup.inputs, start, stop), targets
+
+    def _one_slice(self) -> bool:
+        """Whether the batch is linearised as one slice.
+
+        Samples that interact (or a residual that needs the model itself) are never
+        sliced; a slice as large as the batch is the batch itself (no views to make).
+        """
+        setup = self.setup
+        return not setup.strategy.per_sample or setup.slice_size >= setup.batch_size
 
     # -- the Problem protocol -----------------------------------------------------------
     def linearize(self, x: Tensor) -> NormalEquations:
@@ -249,10 +256,8 @@ class ModelProblem:
             # nonzero columns, over the number of rows.  No pass over J.
             tiny = torch.finfo(col_sq.dtype).tiny
             dual_scale = (col_sq > tiny).sum().to(torch.float64) / max(jac.shape[0], 1)
-        # J Jᵀ from the layers' factors: one slice on one device of one process.
-        outer = sums.outers[0] if len(sums.outers) == 1 and len(self.group) == 1 else None
         fields: dict[str, Any] = {
-            "factor_gram": outer if dual and self.reducer.world_size == 1 else None,
+            "factor_gram": sums.outer if dual else None,
             "loss_sum": tally[0],
             "grad": sums.grad,
             "col_sq": col_sq,
@@ -285,11 +290,11 @@ class ModelProblem:
             res=[],
         )
         store = self.store_rows
-        # A Gram of one slice, on one device of one process: the Gram of [J r] gives
-        # Jᵀr with JᵀJ (the rows' pooled buffer holds r as a last column).
+        # One slice on one device of one process: the stored rows' J Jᵀ may come from
+        # the layers' factors, and a Gram is that of [J r], which gives Jᵀr with JᵀJ
+        # (the rows' pooled buffer holds r as a last column).
         setup = self.setup
-        one_slice = not setup.strategy.per_sample or setup.slice_size >= setup.batch_size
-        augment = not store and one_slice and len(group) == 1 and self.reducer.world_size == 1
+        local = self._one_slice() and len(group) == 1 and self.reducer.world_size == 1
         points = self.function.points(x)
         for replica in self.replicas:
             replica.program.rows_pool.keep = self.setup.pool_rows
@@ -301,7 +306,7 @@ class ModelProblem:
                     # Jᵀr and diag(JᵀJ) from the layers' factors when the outer-product
                     # rule wrote these rows, else a pass over J each.
                     products = program.row_products.take(
-                        J, col_sq=store, outer=store, augmented=augment
+                        J, col_sq=store, outer=store and local, augmented=not store and local
                     )
                     J = J.detach()
                     r = r.detach()
@@ -309,7 +314,7 @@ class ModelProblem:
                     counts.append(r.numel())
                     r_wide = r.to(wide)
                     part_loss = torch.dot(r_wide, r_wide)
-                    sums.outers.append(None if products is None else products.outer)
+                    sums.outer = None if products is None else products.outer
                     grad = None if products is None else products.grad
                     augmented = None if products is None else products.augmented
                     if augmented is not None:

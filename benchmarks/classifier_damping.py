@@ -19,13 +19,12 @@ import datetime
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
-from .core import Method, Problem, batches
+from .core import Method, MethodResult, Problem, train
 from .lm_methods import lm_method, tlm_method
 from .lm_problems import build_problems
 
@@ -37,32 +36,24 @@ def _model(problem: Problem, init: int) -> nn.Module:
     if init:
         torch.manual_seed(init)
         for module in model.modules():
-            if module is not model and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if module is not model and callable(reset):
+                reset()
     return model
 
 
 def run(problem: Problem, method: Method, init: int) -> dict[str, Any]:
-    """Train ``problem``'s model from initialisation ``init`` with ``method``."""
+    """Train ``problem``'s model from initialisation ``init`` with ``method``.
+
+    The bench's own loop (:func:`~benchmarks.core.train`): its batches and step budget,
+    the training loss and test accuracy evaluated before and after, outside the clock.
+    """
     assert method.make is not None
     model = _model(problem, init)
+    steps = problem.max_steps
     step = method.make(problem, model)
-    queue: list[Any] = []
-    epoch, seconds = 0, []
-    for _ in range(problem.max_steps):
-        if not queue:
-            queue = batches(problem, epoch)
-            epoch += 1
-        x, y = queue.pop(0)
-        t0 = time.perf_counter()
-        step(x, y)
-        seconds.append(time.perf_counter() - t0)
-    with torch.no_grad():
-        xt, yt = problem.test
-        acc = float((model(xt).argmax(1) == yt).float().mean())
-        xs, ys = problem.train
-        ce = float(nn.functional.cross_entropy(model(xs), ys))
-    return {"acc": acc, "ce": ce, "step_s": statistics.median(seconds)}
+    result = train(problem, model, MethodResult(method.name, method.settings), step, steps, steps)
+    return {"acc": result.accuracies[-1], "ce": result.losses[-1], "step_s": result.median_step}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,9 @@ which runs the same check once per input signature and raises instead of switchi
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ from torch.func import jacfwd, jacrev, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import conv_rows
+from .carry import ForwardCarry
 from .memory import BufferPool
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "linear_layers",
     "make_jacobian",
     "random_message",
+    "record_trial",
     "unsupported_message",
 ]
 
@@ -338,6 +341,10 @@ class ResidualProgram:
             from step to step while nothing else holds it (:class:`BufferPool`).
         row_products: ``Jᵀr`` and ``diag(JᵀJ)`` of the rule's last rows, from the
             layers' factors (:class:`RowProducts`).
+        forward, residual: ``batch`` in two parts, ``residual(forward(params, X), Y)``
+            (``None`` where the residual function needs the model itself).
+        carry: the last trial's forward pass for the next linearisation
+            (:class:`~secondorder.lm.carry.ForwardCarry`; ``None``: never kept).
     """
 
     per_sample: Callable[[Params, Any, Any], Tensor] | None
@@ -350,6 +357,9 @@ class ResidualProgram:
     checked: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     rows_pool: BufferPool = field(default_factory=BufferPool, compare=False, repr=False)
     row_products: RowProducts = field(default_factory=RowProducts, compare=False, repr=False)
+    forward: Callable[[Params, Any], Tensor] | None = None
+    residual: Callable[[Tensor, Any], Tensor] | None = None
+    carry: ForwardCarry | None = field(default=None, compare=False, repr=False)
 
 
 def _with_aux(f: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -409,10 +419,9 @@ def _signature(inputs: Any, targets: Any) -> str:
 _Call = tuple[LinearLayer, Tensor, Tensor]
 
 
-def _record_calls(
-    program: ResidualProgram, params: Params, inputs: Any, targets: Any
-) -> tuple[list[_Call], Tensor, Params]:
-    """One forward pass of the slice: each layer call's (layer, input, output), r, leaves."""
+@contextlib.contextmanager
+def _recording(program: ResidualProgram) -> Iterator[list[_Call]]:
+    """Hooks on the program's layers for one forward pass: each call's (layer, input, output)."""
     assert program.layers is not None
     layer_of = {id(layer.module): layer for layer in program.layers}
     calls: list[_Call] = []
@@ -431,12 +440,65 @@ def _record_calls(
     handles += [m.register_forward_pre_hook(refuse_randomness) for m in program.random_modules]
     try:
         with torch.enable_grad():
-            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            r = program.batch(leaves, inputs, targets)
+            yield calls
     finally:
         for h in handles:
             h.remove()
+
+
+def _record_calls(
+    program: ResidualProgram, params: Params, inputs: Any, targets: Any
+) -> tuple[list[_Call], Tensor, Params]:
+    """One forward pass of the slice: each layer call's (layer, input, output), r, leaves.
+
+    The pass the last accepted trial recorded (:func:`record_trial`) stands in for
+    a new one where :meth:`ForwardCarry.take` finds it still valid.
+    """
+    carry = program.carry
+    kept = None if carry is None else carry.take(inputs)
+    if kept is not None:
+        assert program.residual is not None
+        with torch.enable_grad():
+            return kept.calls, program.residual(kept.out, targets), kept.leaves
+    with _recording(program) as calls:
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        r = program.batch(leaves, inputs, targets)
     return calls, r, leaves
+
+
+def record_trial(
+    program: ResidualProgram, params: Params, inputs: Any, targets: Any, point: Tensor
+) -> Tensor:
+    """The residuals at a trial point, its forward pass kept for the next linearisation.
+
+    ``params``: the flat trial ``point`` unflattened.
+
+    The pass is recorded as :func:`_record_calls` records one (hooks on the layers,
+    autograd on) and kept by ``program.carry`` (:class:`ForwardCarry`) with what it
+    depends on; the residuals are the same numbers ``program.batch`` gives, the
+    residual function run without autograd as in any trial.  Where the
+    model's state cannot be compared (:func:`~secondorder.lm.carry.model_state`) or
+    the rule does not apply, the point is evaluated plainly and nothing is kept.
+    """
+    carry, forward, residual = program.carry, program.forward, program.residual
+    state = None if carry is None else carry.state()
+    if carry is None or forward is None or residual is None or state is None:
+        with torch.no_grad():
+            return program.batch(params, inputs, targets)
+    try:
+        with _recording(program) as calls:
+            # Copies: the graph must not see the caller's buffer for the point change.
+            leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+            out = forward(leaves, inputs)
+    except _UnsupportedError:
+        with torch.no_grad():
+            return program.batch(params, inputs, targets)
+    with torch.no_grad():
+        # As for any trial: the residual function runs without autograd (the
+        # linearisation applies it again, to the kept output, with autograd).
+        r = residual(out, targets)
+    carry.keep(point, leaves, inputs, state, calls, out)
+    return r
 
 
 def _layer_outputs(calls: list[_Call], batch: int) -> list[Tensor]:

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
+from .carry import ForwardCarry
 from .jacobian import ResidualProgram, linear_layers
 from .residuals import ModelResidual
 
@@ -128,14 +129,20 @@ class ModelEvaluator:
             if p is not None and id(p) in canonical
         ]
         coupled = isinstance(residual_fn, ModelResidual)
+        layers = None if coupled else linear_layers(model, names, [own[k] for k in names])
         self.program = ResidualProgram(
             per_sample=None if coupled else self.per_sample,
             batch=self.batch,
             order=tuple(names),
-            layers=None if coupled else linear_layers(model, names, [own[k] for k in names]),
+            layers=layers,
             random_modules=tuple(
                 m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)
             ),
+            forward=None if coupled else self.call,
+            residual=None if coupled else self.residual,
+            carry=None
+            if layers is None
+            else ForwardCarry(model, frozenset(id(own[k]) for k in names)),
         )
 
     def call(self, params: dict[str, Tensor], inputs: Any) -> Tensor:
@@ -154,9 +161,13 @@ class ModelEvaluator:
         """The flat residuals of a whole batch at ``params``."""
         if isinstance(self.residual_fn, ModelResidual):
             r = self.residual_fn.fn(lambda z: self.call(params, z), inputs, targets)
-        else:
-            r = self.residual_fn(self.call(params, inputs), targets)
-        return r.reshape(-1)
+            return r.reshape(-1)
+        return self.residual(self.call(params, inputs), targets)
+
+    def residual(self, out: Tensor, targets: Any) -> Tensor:
+        """The flat residuals of the model's output ``out`` (a per-sample residual function)."""
+        assert not isinstance(self.residual_fn, ModelResidual)
+        return self.residual_fn(out, targets).reshape(-1)
 
     def per_sample(self, params: dict[str, Tensor], x: Any, y: Any) -> Tensor:
         """The flat residuals of one sample (no batch dimension) at ``params``."""
@@ -290,3 +301,6 @@ class ModelFunction:
             chunks = x.split_with_sizes(self.numels)
             for p, chunk, shape in zip(self.params, chunks, self._view_shapes, strict=True):
                 p.copy_(chunk.view(shape))
+        carry = self.program.carry
+        if carry is not None:
+            carry.written(x, self.params)

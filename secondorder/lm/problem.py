@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
-from .jacobian import FactorGram, JacobianStrategy, ResidualProgram
+from .jacobian import FactorGram, JacobianStrategy, ResidualProgram, record_trial
 from .kfac_cg import KroneckerStats, kronecker_layers, slice_statistics
 from .linalg import LinearSolver, NormalEquations, gram_update
 from .model import ModelEvaluator, ModelFunction, slice_tree
@@ -205,6 +205,10 @@ class ModelProblem:
             targets = slice_tree(setup.targets, start, stop) if setup.targets is not None else None
             yield slice_tree(setup.inputs, start, stop), targets
 
+    def _local(self) -> bool:
+        """Whether the batch is one slice on one device of one process."""
+        return self._one_slice() and len(self.group) == 1 and self.reducer.world_size == 1
+
     def _one_slice(self) -> bool:
         """Whether the batch is linearised as one slice.
 
@@ -294,7 +298,7 @@ class ModelProblem:
         # the layers' factors, and a Gram is that of [J r], which gives Jᵀr with JᵀJ
         # (the rows' pooled buffer holds r as a last column).
         setup = self.setup
-        local = self._one_slice() and len(group) == 1 and self.reducer.world_size == 1
+        local = self._local()
         points = self.function.points(x)
         for replica in self.replicas:
             replica.program.rows_pool.keep = self.setup.pool_rows
@@ -302,7 +306,12 @@ class ModelProblem:
             for k, inputs, targets in group.stage(self.slices()):
                 with group.on(k):
                     program = self.replicas[k].program
+                    carry = program.carry
+                    if carry is not None:
+                        carry.begin()
                     J, r = self.strategy(program, points[k], inputs, targets)
+                    if carry is not None:
+                        carry.end()
                     # Jᵀr and diag(JᵀJ) from the layers' factors when the outer-product
                     # rule wrote these rows, else a pass over J each.
                     products = program.row_products.take(
@@ -443,11 +452,19 @@ class ModelProblem:
         expected = self.slice_counts
         seen: list[int] = []
         error: Exception | None = None
+        # A batch the last two linearisations saw is likely seen again: the trial's
+        # forward pass is kept for the next one (ForwardCarry), on one slice, device
+        # and process, while the memory plan keeps buffers between steps.
+        carry = self.program.carry if self._local() and self.setup.pool_rows else None
+        record = carry is not None and carry.armed
         try:
             with torch.no_grad(), self.function.frozen():
                 for k, inputs, targets in group.stage(self.slices()):
                     with group.on(k):
-                        r = self.replicas[k].batch(points[k], inputs, targets)
+                        if record:
+                            r = record_trial(self.program, points[k], inputs, targets, x)
+                        else:
+                            r = self.replicas[k].batch(points[k], inputs, targets)
                         r = r.to(torch.float64)
                         seen.append(r.numel())
                         part = torch.dot(r, r)

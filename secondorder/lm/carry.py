@@ -1,0 +1,223 @@
+"""The accepted trial's forward pass, kept for the next linearisation of the same batch.
+
+Fitting a whole data set evaluates the model twice per step on the same inputs: the
+trial point's forward pass, then, once that point is accepted, the same pass again to
+linearise there.  :class:`ForwardCarry` keeps the trial's pass (recorded with the hooks
+the outer-product rule reads, :func:`~secondorder.lm.jacobian.record_trial`) and hands
+it to the next linearisation only if nothing that pass depends on has changed:
+
+* the point: the trial's, copied into the model's parameters as the accepted step
+  and not changed since (their versions), so that it is the point being linearised;
+* the inputs: the same tensor objects, not modified in place since;
+* the model: the same modules, each of a type whose forward depends on nothing but its
+  parameters, buffers and plain settings (:data:`PLAIN_MODULES`, exact types), with the
+  same settings, training flags and buffers, and no hooks;
+* autocast and float32 matmul precision as they were.
+
+The residual function is applied anew to the kept output, so targets and the residual
+function itself may change between steps.  A trial is recorded only when the batch
+looks repeated (the last two linearisations saw the same input tensors), so training
+on a new mini-batch each step pays nothing.  The kept pass holds the model's
+activations between steps (what the linearisation's forward pass would allocate).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["PLAIN_MODULES", "ForwardCarry", "model_state"]
+
+#: Module types (exact, not subclasses) whose output depends only on their input,
+#: parameters, buffers and public settings of plain Python values.
+PLAIN_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Sequential,
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Identity,
+    nn.Flatten,
+    nn.Unflatten,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Softplus,
+    nn.Mish,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.Dropout,
+)
+
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return type(value) in _PLAIN_VALUES
+
+
+def _no_global_hooks() -> bool:
+    module = nn.modules.module
+    names = (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
+    return not any(getattr(module, name, None) for name in names)
+
+
+def model_state(model: nn.Module, trainable: frozenset[int]) -> tuple[Any, ...] | None:
+    """What ``model``'s forward depends on besides its trainable parameters and input.
+
+    A tuple to compare for equality (module identities, types, training flags, public
+    settings, the version of every buffer and frozen parameter, matmul precision), or
+    ``None`` where the forward may depend on more: a module outside
+    :data:`PLAIN_MODULES`, a setting that is not a plain value, a hook (forward or
+    backward, on a module or global), or autocast.  ``trainable``: the ids of the
+    parameters the optimizer passes in (compared by value instead).
+    """
+    if not _no_global_hooks():
+        return None
+    parts: list[Any] = [torch.get_float32_matmul_precision()]
+    for name, module in model.named_modules(remove_duplicate=False):
+        if type(module) not in PLAIN_MODULES:
+            return None
+        if (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+        ):
+            return None
+        settings = []
+        for key, value in vars(module).items():
+            if key.startswith("_"):
+                continue
+            if not _plain(value):
+                return None
+            settings.append((key, value))
+        tensors = [
+            (key, id(t), t._version)
+            for key, t in (*module._buffers.items(), *module._parameters.items())
+            if t is not None and id(t) not in trainable
+        ]
+        parts.append((name, id(module), tuple(settings), tuple(tensors)))
+    first = next(model.parameters(), None)
+    if first is not None and torch.is_autocast_enabled(first.device.type):
+        return None
+    return tuple(parts)
+
+
+def _tensor_leaves(tree: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+
+
+@dataclass
+class _Pass:
+    """One recorded forward pass and what it was computed from."""
+
+    point: Tensor  # the flat trial point, as the engine holds it
+    version: int  # ... and its version then
+    leaves: dict[str, Tensor]  # the point's values, as the graph's leaves
+    inputs: list[tuple[Tensor, int]]  # each input tensor and its version
+    state: tuple[Any, ...]
+    calls: list[Any]  # the rule's (layer, input, output) per layer call
+    out: Tensor  # the model's output, with its graph
+    #: The model's parameters and their versions once the point was written into them.
+    written: list[tuple[Tensor, int]] | None = None
+
+
+class ForwardCarry:
+    """Keeps one trial's forward pass for the next linearisation (see the module doc).
+
+    Its checks read no device value: the point is known to be the model's because
+    :meth:`written` saw exactly the trial's tensor copied into the parameters, and
+    their versions have not moved since.
+    """
+
+    def __init__(self, model: nn.Module, trainable: frozenset[int]) -> None:
+        self.model = model
+        self.trainable = trainable
+        self._kept: _Pass | None = None
+        self._last: list[weakref.ref[Tensor]] = []
+        #: Whether this step's trials should be recorded (the batch looks repeated).
+        self.armed = False
+
+    def begin(self) -> None:
+        """A linearisation starts: no trial is recorded unless the rule arms it."""
+        self.armed = False
+
+    def end(self) -> None:
+        """A linearisation ended: let go of a pass it did not use."""
+        self._kept = None
+
+    def state(self) -> tuple[Any, ...] | None:
+        """:func:`model_state` of the model (``None``: nothing may be kept)."""
+        return model_state(self.model, self.trainable)
+
+    def keep(
+        self, point: Tensor, leaves: dict[str, Tensor], inputs: Any, state: tuple[Any, ...],
+        calls: list[Any], out: Tensor,
+    ) -> None:  # fmt: skip
+        """Keep a trial's pass at the flat ``point`` (replacing any kept before)."""
+        held = [(t, t._version) for t in _tensor_leaves(inputs)]
+        self._kept = _Pass(point, point._version, leaves, held, state, calls, out)
+
+    def written(self, x: Tensor, params: Sequence[Tensor]) -> None:
+        """``x`` was just copied into ``params`` (an accepted step, or a rollback).
+
+        The kept pass stays only if ``x`` is its point, unchanged, and every parameter
+        holds x's dtype (so the copy is exact).
+        """
+        kept = self._kept
+        if kept is None:
+            return
+        if (
+            kept.point is not x
+            or x._version != kept.version
+            or any(p.dtype != x.dtype for p in params)
+        ):
+            self._kept = None
+            return
+        kept.written = [(p, p._version) for p in params]
+
+    def take(self, inputs: Any) -> _Pass | None:
+        """The kept pass if the model is still at its point and ``inputs`` are its own.
+
+        Called as the model's point is linearised.  Either way nothing stays kept.
+        Also arms the recording of this step's trials when ``inputs`` are the tensors
+        the previous linearisation saw.
+        """
+        kept, self._kept = self._kept, None
+        tensors = _tensor_leaves(inputs)
+        last = [ref() for ref in self._last]
+        self.armed = len(last) == len(tensors) and all(
+            a is b for a, b in zip(last, tensors, strict=True)
+        )
+        self._last = [weakref.ref(t) for t in tensors]
+        if kept is None or kept.written is None or len(kept.inputs) != len(tensors):
+            return None
+        if any(p._version != version for p, version in kept.written):
+            return None
+        for (held, version), t in zip(kept.inputs, tensors, strict=True):
+            if held is not t or t._version != version:
+                return None
+        if self.state() != kept.state:
+            return None
+        return kept

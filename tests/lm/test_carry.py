@@ -1,0 +1,278 @@
+"""The accepted trial's forward pass, kept for the next linearisation (ForwardCarry).
+
+On a batch seen again, a step evaluates the model once per attempt instead of once
+more for its linearisation.  Every result must be bitwise the one without the kept
+pass: the reference is the same network built as a subclass of ``nn.Sequential``,
+which :func:`~secondorder.lm.carry.model_state` does not vouch for, so it never keeps
+a pass and computes exactly what the optimizer computed before.  Between steps, each
+thing the pass depends on is changed in both runs alike; the kept pass must then be
+dropped (the step evaluates the model again) and the step must equal the reference's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from unchanged import same_state, state_of
+
+import secondorder as so
+from secondorder.lm.carry import model_state
+
+
+class _Reference(nn.Sequential):
+    """Computes what nn.Sequential computes; not a plain module, so nothing is kept."""
+
+
+class LinearCalls(TorchFunctionMode):
+    """Counts ``F.linear`` calls: one per nn.Linear layer per forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if getattr(func, "__name__", "") == "linear":
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _net(cls: type[nn.Sequential], sizes: list[int], act: Callable[[], nn.Module]) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(act())
+    return cls(*layers)
+
+
+def _sinc() -> tuple[Tensor, Tensor]:
+    x = torch.linspace(-1.0, 1.0, 300).unsqueeze(1)
+    return x, torch.sinc(10.0 * x)
+
+
+def _classes() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(24, 16, generator=gen), torch.randint(0, 10, (24,), generator=gen)
+
+
+CASES: dict[str, tuple[list[int], Callable[[], tuple[Tensor, Tensor]], Any]] = {
+    "primal": ([1, 16, 1], _sinc, so.residuals.mse),
+    "dual": ([16, 32, 10], _classes, so.residuals.cross_entropy),
+}
+
+
+def _passes(opt: so.LevenbergMarquardt, x: Any, y: Any, layers: int) -> tuple[float, int, int]:
+    """One step: its loss, its attempts and the forward passes it made."""
+    with LinearCalls() as counter:
+        info = opt.step(x, y)
+    return info.loss, info.attempts, counter.calls // layers
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_repeated_batch_is_evaluated_once_per_attempt(case: str) -> None:
+    sizes, data, residual = CASES[case]
+    x, y = data()
+    layers = len(sizes) - 1
+    kept = _net(nn.Sequential, sizes, nn.Tanh)
+    plain = _net(_Reference, sizes, nn.Tanh)
+    opt_kept = so.LevenbergMarquardt(kept, residual)
+    opt_plain = so.LevenbergMarquardt(plain, residual)
+    carried = 0
+    for step in range(8):
+        loss_k, attempts_k, passes_k = _passes(opt_kept, x, y, layers)
+        loss_p, attempts_p, passes_p = _passes(opt_plain, x, y, layers)
+        assert (loss_k, attempts_k) == (loss_p, attempts_p)
+        assert _same(kept, plain), f"step {step}"
+        if step >= 2:
+            # Its linearisation and one pass per attempt, against the attempts alone.
+            assert passes_p == attempts_p + 1
+            assert passes_k in (attempts_k, attempts_k + 1)
+            carried += passes_k == attempts_k
+    assert carried >= 4  # the steps after an accepted one
+
+
+def _change_inputs_in_place(run: dict[str, Any], first: bool) -> None:
+    run["x"].mul_(0.9)
+
+
+def _new_inputs_same_values(run: dict[str, Any], first: bool) -> None:
+    run["x"] = run["x"].clone()
+
+
+def _move_a_parameter(run: dict[str, Any], first: bool) -> None:
+    with torch.no_grad():
+        run["model"][0].weight[0, 0] += 0.01
+
+
+def _load_a_state_dict(run: dict[str, Any], first: bool) -> None:
+    state = {k: v * 1.01 for k, v in run["model"].state_dict().items()}
+    run["model"].load_state_dict(state)
+
+
+def _change_a_setting(run: dict[str, Any], first: bool) -> None:
+    run["model"][1].negative_slope = 0.3
+
+
+def _swap_a_module(run: dict[str, Any], first: bool) -> None:
+    run["model"][1] = nn.Tanh()
+
+
+def _add_a_hook(run: dict[str, Any], first: bool) -> None:
+    run["model"][1].register_forward_hook(lambda m, a, out: out * 2.0)
+
+
+def _add_a_global_hook(run: dict[str, Any], first: bool) -> None:
+    if first:  # one hook, seen by both runs
+        run["handles"].append(
+            nn.modules.module.register_module_forward_hook(
+                lambda m, a, out: out * 1.5 if isinstance(m, nn.LeakyReLU) else out
+            )
+        )
+
+
+def _eval_mode(run: dict[str, Any], first: bool) -> None:
+    run["model"].eval()
+
+
+CHANGES: dict[str, Callable[[dict[str, Any], bool], None]] = {
+    "inputs changed in place": _change_inputs_in_place,
+    "new input tensors, same values": _new_inputs_same_values,
+    "a parameter moved": _move_a_parameter,
+    "load_state_dict": _load_a_state_dict,
+    "an activation's setting": _change_a_setting,
+    "a module swapped": _swap_a_module,
+    "a forward hook": _add_a_hook,
+    "a global forward hook": _add_a_global_hook,
+    "eval mode": _eval_mode,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_between_steps_drops_the_kept_pass(change: str) -> None:
+    x, y = _sinc()
+    runs = []
+    for cls in (nn.Sequential, _Reference):
+        model = _net(cls, [1, 16, 1], lambda: nn.LeakyReLU(0.1))
+        opt = so.LevenbergMarquardt(model, so.residuals.mse)
+        runs.append({"model": model, "opt": opt, "x": x.clone(), "handles": []})
+    try:
+        for run in runs:
+            for _ in range(4):
+                run["opt"].step(run["x"], y)
+        assert _same(runs[0]["model"], runs[1]["model"])
+        # Kept: the last step was accepted on a repeated batch.
+        assert runs[0]["opt"]._function.program.carry._kept is not None
+        for i, run in enumerate(runs):
+            CHANGES[change](run, i == 0)
+        steps = []
+        for run in runs:
+            steps.append(_passes(run["opt"], run["x"], y, 2))
+        (loss_k, attempts_k, passes_k), (loss_p, attempts_p, passes_p) = steps
+        assert (loss_k, attempts_k) == (loss_p, attempts_p)
+        assert _same(runs[0]["model"], runs[1]["model"])
+        assert passes_k == passes_p  # linearised anew, as the reference was
+    finally:
+        for run in runs:
+            for handle in run["handles"]:
+                handle.remove()
+
+
+def test_new_targets_reuse_the_forward_pass_with_the_new_residuals() -> None:
+    x, y = _sinc()
+    kept = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
+    plain = _net(_Reference, [1, 16, 1], nn.Tanh)
+    opts = [so.LevenbergMarquardt(m, so.residuals.mse) for m in (kept, plain)]
+    for _ in range(4):
+        for opt in opts:
+            opt.step(x, y)
+    y2 = y + 0.05 * torch.cos(5.0 * x)
+    loss_k, attempts_k, passes_k = _passes(opts[0], x, y2, 2)
+    loss_p, attempts_p, passes_p = _passes(opts[1], x, y2, 2)
+    assert (loss_k, attempts_k) == (loss_p, attempts_p)
+    assert _same(kept, plain)
+    assert passes_p == attempts_p + 1
+    assert passes_k == attempts_k  # the model's pass was kept; the residuals are new
+
+
+def test_mini_batches_record_nothing() -> None:
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(64, 1, generator=gen), torch.randn(64, 1, generator=gen))]
+    batches.append((torch.randn(64, 1, generator=gen), torch.randn(64, 1, generator=gen)))
+    model = _net(nn.Sequential, [1, 8, 1], nn.Tanh)
+    opt = so.LevenbergMarquardt(model, so.residuals.mse)
+    for k in range(6):
+        x, y = batches[k % 2]
+        opt.step(x, y)
+        carry = opt._function.program.carry
+        assert carry is not None
+        assert not carry.armed and carry._kept is None
+
+
+def test_model_state_vouches_only_for_plain_modules() -> None:
+    trainable: frozenset[int] = frozenset()
+    assert model_state(nn.Sequential(nn.Linear(2, 3), nn.GELU()), trainable) is not None
+    assert model_state(_Reference(nn.Linear(2, 3)), trainable) is None
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.tensor(2.0)  # a tensor setting: not compared
+
+        def forward(self, z: Tensor) -> Tensor:
+            return z * self.scale
+
+    assert model_state(nn.Sequential(nn.Linear(2, 3), Scaled()), trainable) is None
+    act = nn.Tanh()
+    act.forward = lambda z: z  # type: ignore[method-assign]
+    assert model_state(nn.Sequential(act), trainable) is None
+    with torch.autocast("cpu"):
+        assert model_state(nn.Sequential(nn.Linear(2, 3)), trainable) is None
+    # A frozen parameter's in-place change shows in the state.
+    frozen = nn.Sequential(nn.Linear(2, 3))
+    frozen[0].bias.requires_grad_(False)
+    keep = frozenset({id(frozen[0].weight)})
+    before = model_state(frozen, keep)
+    with torch.no_grad():
+        frozen[0].bias.add_(1.0)
+    assert model_state(frozen, keep) != before
+
+
+def test_an_interrupt_while_a_trial_is_recorded_leaves_no_trace() -> None:
+    x, y = _sinc()
+    calls = {"armed": False}
+
+    def interrupting(out: Tensor, t: Tensor) -> Tensor:
+        if calls["armed"] and not torch.is_grad_enabled():
+            raise KeyboardInterrupt
+        return out - t
+
+    kept = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
+    plain = _net(_Reference, [1, 16, 1], nn.Tanh)
+    opt_k = so.LevenbergMarquardt(kept, interrupting)
+    opt_p = so.LevenbergMarquardt(plain, interrupting)
+    for _ in range(4):
+        opt_k.step(x, y)
+        opt_p.step(x, y)
+    state = state_of(opt_k)
+    calls["armed"] = True
+    with pytest.raises(KeyboardInterrupt):
+        opt_k.step(x, y)  # raises in its first trial, which was being recorded
+    calls["armed"] = False
+    assert _same(kept, plain)
+    assert same_state(state_of(opt_k), state)
+    # The next step is the reference's.
+    info_k, info_p = opt_k.step(x, y), opt_p.step(x, y)
+    assert (info_k.loss, info_k.attempts) == (info_p.loss, info_p.attempts)
+    assert _same(kept, plain)

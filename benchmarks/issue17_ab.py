@@ -4,9 +4,10 @@
         [--rounds 15] [--threads 2] [--base DIR] [--options '{"gram_dtype": "float32"}']
 
 For each problem every stepper is warmed up for ``--warm`` steps, then timed one step
-per round, round-robin over ``--rounds`` rounds, each step from the same point
-(parameters and λ restored after it, outside the clock), so a burst of load on a shared
-machine hits every stepper alike.  sinc is full-batch; the classifiers warm up on
+per round over ``--rounds`` rounds, each step from the same point (parameters and λ
+restored after it, outside the clock), so a burst of load on a shared machine hits
+every stepper alike; the order rotates from round to round, since a step's time depends
+on the step run before it.  sinc is full-batch; the classifiers warm up on
 successive mini-batches of the training set, as training does, and the timed step takes
 the next one (steps repeated on one batch would fit it to a loss near zero, where no
 training step is taken).  Prints the median and minimum
@@ -150,8 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {k: [] for k in fns}
         for f in fns.values():
             f()
-        for _ in range(args.rounds):
-            for k, f in fns.items():
+        # Each round starts one stepper later: a stepper's time depends on which ran
+        # before it (a copy of the same package timed 11% slower on wide_dual when
+        # it always ran right after the peer), so every stepper takes every place.
+        order = list(fns.items())
+        for i in range(args.rounds):
+            shift = i % len(order)
+            for k, f in order[shift:] + order[:shift]:
                 times[k].append(f())
         med = {k: statistics.median(v) for k, v in times.items()}
         cells = [f"{k} {med[k] * 1e3:7.2f} ms (min {min(times[k]) * 1e3:6.2f})" for k in fns]

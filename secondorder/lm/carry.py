@@ -158,6 +158,9 @@ class ForwardCarry:
         self._last: list[weakref.ref[Tensor]] = []
         #: Whether this step's trials should be recorded (the batch looks repeated).
         self.armed = False
+        # Kept passes that went unused in a row, and steps left without recording.
+        self._misses = 0
+        self._rest = 0
 
     def begin(self) -> None:
         """A linearisation starts: no trial is recorded unless the rule arms it."""
@@ -207,17 +210,29 @@ class ForwardCarry:
         kept, self._kept = self._kept, None
         tensors = _tensor_leaves(inputs)
         last = [ref() for ref in self._last]
-        self.armed = len(last) == len(tensors) and all(
+        repeated = len(last) == len(tensors) and all(
             a is b for a, b in zip(last, tensors, strict=True)
         )
         self._last = [weakref.ref(t) for t in tensors]
-        if kept is None or kept.written is None or len(kept.inputs) != len(tensors):
-            return None
+        if kept is not None:
+            if self._valid(kept, tensors):
+                self._misses = 0
+            else:
+                # Recording costs a little more than a plain trial (autograd on):
+                # after k unused passes in a row, rest 2^k - 1 steps (k at most 4).
+                self._misses = min(self._misses + 1, 4)
+                self._rest = 2**self._misses - 1
+                kept = None
+        self.armed = repeated and self._rest == 0
+        self._rest = max(self._rest - 1, 0)
+        return kept
+
+    def _valid(self, kept: _Pass, tensors: list[Tensor]) -> bool:
+        if kept.written is None or len(kept.inputs) != len(tensors):
+            return False
         if any(p._version != version for p, version in kept.written):
-            return None
+            return False
         for (held, version), t in zip(kept.inputs, tensors, strict=True):
             if held is not t or t._version != version:
-                return None
-        if self.state() != kept.state:
-            return None
-        return kept
+                return False
+        return self.state() == kept.state

@@ -276,3 +276,27 @@ def test_an_interrupt_while_a_trial_is_recorded_leaves_no_trace() -> None:
     info_k, info_p = opt_k.step(x, y), opt_p.step(x, y)
     assert (info_k.loss, info_k.attempts) == (info_p.loss, info_p.attempts)
     assert _same(kept, plain)
+
+
+def test_passes_that_go_unused_make_the_recording_rest() -> None:
+    # Each step is undone (as a benchmark timing one step from a fixed point does), so
+    # every kept pass goes unused: the recording backs off, then resumes once used.
+    x, y = _sinc()
+    model = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
+    opt = so.LevenbergMarquardt(model, so.residuals.mse)
+    for _ in range(3):
+        opt.step(x, y)
+    carry = opt._function.program.carry
+    assert carry is not None
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    armed = []
+    for _ in range(24):
+        opt.step(x, y)
+        armed.append(carry.armed)
+        model.load_state_dict(state)
+    assert 2 <= sum(armed) <= 6, armed
+    carried = 0
+    for _ in range(40):
+        _, attempts, passes = _passes(opt, x, y, 2)
+        carried += passes == attempts
+    assert carried >= 20

@@ -7,18 +7,23 @@ the outer-product rule reads, :func:`~secondorder.lm.jacobian.record_trial`) and
 it to the next linearisation only if nothing that pass depends on has changed:
 
 * the point: the trial's, copied into the model's parameters as the accepted step
-  and not changed since (their versions), so that it is the point being linearised;
-* the inputs: the same tensor objects, not modified in place since;
+  and not changed since (their versions, then their values);
+* the inputs: the same tensor objects, not modified in place since (their versions,
+  then their values against a copy: writes through ``.data`` or a NumPy array that
+  shares their memory do not move versions);
 * the model: the same modules, each of a type whose forward depends on nothing but its
   parameters, buffers and plain settings (:data:`PLAIN_MODULES`, exact types), with the
   same settings, training flags and buffers, and no hooks;
 * autocast and float32 matmul precision as they were.
 
-The residual function is applied anew to the kept output, so targets and the residual
+The values are compared on the device and read with the loss (no host read of their
+own); where they differ, the linearisation starts again without the pass.  The
+residual function is applied anew to the kept output, so targets and the residual
 function itself may change between steps.  A trial is recorded only when the batch
 looks repeated (the last two linearisations saw the same input tensors), so training
 on a new mini-batch each step pays nothing.  The kept pass holds the model's
-activations between steps (what the linearisation's forward pass would allocate).
+activations (what the linearisation's forward pass would allocate) and a copy of the
+inputs between steps.
 """
 
 from __future__ import annotations
@@ -136,6 +141,7 @@ class _Pass:
     version: int  # ... and its version then
     leaves: dict[str, Tensor]  # the point's values, as the graph's leaves
     inputs: list[tuple[Tensor, int]]  # each input tensor and its version
+    values: list[Tensor]  # ... and a copy of its values
     state: tuple[Any, ...]
     calls: list[Any]  # the rule's (layer, input, output) per layer call
     out: Tensor  # the model's output, with its graph
@@ -146,9 +152,11 @@ class _Pass:
 class ForwardCarry:
     """Keeps one trial's forward pass for the next linearisation (see the module doc).
 
-    Its checks read no device value: the point is known to be the model's because
-    :meth:`written` saw exactly the trial's tensor copied into the parameters, and
-    their versions have not moved since.
+    Its own checks read no device value: the point is expected to be the model's
+    because :meth:`written` saw exactly the trial's tensor copied into the parameters,
+    and their versions have not moved since.  Versions miss some writes, so the values
+    are compared as well, on the device (:attr:`check`); the linearisation reads the
+    answer together with the loss and starts again without the pass where it fails.
     """
 
     def __init__(self, model: nn.Module, trainable: frozenset[int]) -> None:
@@ -161,6 +169,9 @@ class ForwardCarry:
         # Kept passes that went unused in a row, and steps left without recording.
         self._misses = 0
         self._rest = 0
+        #: For the pass the last :meth:`take` handed out: whether its point and inputs
+        #: still hold their values (a 0-d bool on the device), else ``None``.
+        self.check: Tensor | None = None
 
     def begin(self) -> None:
         """A linearisation starts: no trial is recorded unless the rule arms it."""
@@ -178,9 +189,17 @@ class ForwardCarry:
         self, point: Tensor, leaves: dict[str, Tensor], inputs: Any, state: tuple[Any, ...],
         calls: list[Any], out: Tensor,
     ) -> None:  # fmt: skip
-        """Keep a trial's pass at the flat ``point`` (replacing any kept before)."""
-        held = [(t, t._version) for t in _tensor_leaves(inputs)]
-        self._kept = _Pass(point, point._version, leaves, held, state, calls, out)
+        """Keep a trial's pass at the flat ``point`` (replacing any kept before).
+
+        Nothing is kept where ``inputs`` hold anything but tensors.
+        """
+        leaves_in = tree_flatten(inputs)[0]
+        if not all(isinstance(t, Tensor) for t in leaves_in):
+            self._kept = None
+            return
+        held = [(t, t._version) for t in leaves_in]
+        values = [t.detach().clone() for t in leaves_in]
+        self._kept = _Pass(point, point._version, leaves, held, values, state, calls, out)
 
     def written(self, x: Tensor, params: Sequence[Tensor]) -> None:
         """``x`` was just copied into ``params`` (an accepted step, or a rollback).
@@ -200,14 +219,18 @@ class ForwardCarry:
             return
         kept.written = [(p, p._version) for p in params]
 
-    def take(self, inputs: Any) -> _Pass | None:
+    def take(self, params: dict[str, Tensor], inputs: Any) -> _Pass | None:
         """The kept pass if the model is still at its point and ``inputs`` are its own.
 
-        Called as the model's point is linearised.  Either way nothing stays kept.
-        Also arms the recording of this step's trials when ``inputs`` are the tensors
-        the previous linearisation saw.
+        Called as the model's point ``params`` is linearised.  Either way nothing
+        stays kept.  A pass handed out leaves :attr:`check`, the device-side
+        comparison of ``params`` and ``inputs`` with the values it was computed from,
+        for the caller to read (and to linearise again where it fails).  Also arms
+        the recording of this step's trials when ``inputs`` are the tensors the
+        previous linearisation saw.
         """
         kept, self._kept = self._kept, None
+        self.check = None
         tensors = _tensor_leaves(inputs)
         last = [ref() for ref in self._last]
         repeated = len(last) == len(tensors) and all(
@@ -217,17 +240,25 @@ class ForwardCarry:
         if kept is not None:
             if self._valid(kept, tensors):
                 self._misses = 0
+                self.check = self._same_values(kept, params, tensors)
             else:
-                # Recording costs a little more than a plain trial (autograd on):
-                # after k unused passes in a row, rest 2^k - 1 steps (k at most 4).
-                self._misses = min(self._misses + 1, 4)
-                self._rest = 2**self._misses - 1
+                self.stale()
                 kept = None
         self.armed = repeated and self._rest == 0
         self._rest = max(self._rest - 1, 0)
         return kept
 
+    def stale(self) -> None:
+        """A kept pass went unused.
+
+        Recording costs a little more than a plain trial (autograd on): after k
+        unused passes in a row, the recording rests 2^k - 1 steps (k at most 4).
+        """
+        self._misses = min(self._misses + 1, 4)
+        self._rest = 2**self._misses - 1
+
     def _valid(self, kept: _Pass, tensors: list[Tensor]) -> bool:
+        """The checks that read no device value: versions, identities, the model."""
         if kept.written is None or len(kept.inputs) != len(tensors):
             return False
         if any(p._version != version for p, version in kept.written):
@@ -236,3 +267,23 @@ class ForwardCarry:
             if held is not t or t._version != version:
                 return False
         return self.state() == kept.state
+
+    @staticmethod
+    def _same_values(kept: _Pass, params: dict[str, Tensor], tensors: list[Tensor]) -> Tensor:
+        """Whether the point and the inputs hold the kept pass's values (a 0-d bool).
+
+        Versions miss writes through ``.data`` and memory shared with NumPy, so the
+        values are compared too, on the device; the caller reads the answer with the
+        loss (:attr:`~secondorder.lm.linalg.NormalEquations.carry_check`).
+        """
+        same = torch.ones((), dtype=torch.bool, device=kept.out.device)
+        for name, value in params.items():
+            old = kept.leaves[name]
+            if old.shape != value.shape:
+                return torch.zeros_like(same)
+            same = same & (old.detach() == value.detach()).all().to(same.device)
+        for old, value in zip(kept.values, tensors, strict=True):
+            if old.shape != value.shape or old.dtype != value.dtype:
+                return torch.zeros_like(same)
+            same = same & (old == value.detach()).all().to(same.device)
+        return same

@@ -455,7 +455,7 @@ def _record_calls(
     a new one where :meth:`ForwardCarry.take` finds it still valid.
     """
     carry = program.carry
-    kept = None if carry is None else carry.take(inputs)
+    kept = None if carry is None else carry.take(params, inputs)
     if kept is not None:
         assert program.residual is not None
         with torch.enable_grad():

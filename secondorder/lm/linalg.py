@@ -108,6 +108,10 @@ class NormalEquations:
         factor_gram: ``dtype -> J Jᵀ`` from the layers' factors when the outer-product
             rule wrote every column of J (dual form, one slice, one process), else
             ``None``; the dual Cholesky solver uses it when ``D`` is a multiple of I.
+        carry_check: where J came from a kept forward pass
+            (:class:`~secondorder.lm.carry.ForwardCarry`), a 0-d bool: whether its point
+            and inputs still hold the values it was computed from; read with
+            :meth:`scalars` (:attr:`carry_valid`).
     """
 
     loss_sum: Tensor
@@ -125,9 +129,12 @@ class NormalEquations:
     factor_gram: Callable[[torch.dtype], Tensor] | None = field(
         default=None, repr=False, compare=False
     )
+    carry_check: Tensor | None = field(default=None, repr=False, compare=False)
     _host: tuple[bool, float, float] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    #: ``carry_check`` as read by :meth:`scalars` (True without a check).
+    carry_valid: bool = field(default=True, init=False, repr=False, compare=False)
     _dual_scale_host: float | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -144,6 +151,8 @@ class NormalEquations:
         r or J is zero).  Computed once and kept: the optimizer reads these numbers
         before its first attempt, and a GPU stalls at every read.
         """
+        if self._host is None and self.carry_check is not None and self._small_on_host():
+            self.carry_valid = bool(self.carry_check)  # on the CPU: no device to wait for
         if self._host is None and self.host is not None:
             # Formed on the host: its own arrays, no crossing and no device checks.
             arrays, gram = self.host, None if self.gram is None else self.gram.numpy()
@@ -168,10 +177,14 @@ class NormalEquations:
             read = [finite.to(wide), self.loss_sum.to(wide), cos.to(wide)]
             if self.dual_scale is not None:
                 read.append(self.dual_scale.to(wide))
+            if self.carry_check is not None:
+                read.append(self.carry_check.to(wide))
             values = torch.stack(read).tolist()
             self._host = (bool(values[0]), values[1], values[2])
             if self.dual_scale is not None:
                 self._dual_scale_host = values[3]
+            if self.carry_check is not None:
+                self.carry_valid = bool(values[-1])
         return self._host
 
     def _small_on_host(self) -> bool:

@@ -223,6 +223,7 @@ class ModelProblem:
         """``Σr²``, ``Jᵀr``, ``diag(JᵀJ)`` and the Gram or J's rows at ``x``, all ranks summed."""
         counts: list[int] = []
         error: Exception | None = None
+        carry = self.program.carry
         try:
             sums = self._accumulate(x, counts)
         except Exception as exc:
@@ -273,7 +274,18 @@ class ModelProblem:
             "kronecker": self.kronecker(x) if self.needs_kronecker else None,
         }
         if self.reducer.world_size == 1:
-            return NormalEquations(count=sums.count, **fields)
+            check = None if carry is None else carry.check
+            system = NormalEquations(count=sums.count, carry_check=check, **fields)
+            if carry is not None and check is not None:
+                carry.check = None
+                system.scalars()  # the check rides with the loss: no read of its own
+                if not system.carry_valid:
+                    # The kept pass's point or inputs no longer hold its values
+                    # (written through .data, or memory shared with NumPy): again,
+                    # without it (take() has dropped it).
+                    carry.stale()
+                    return self.linearize(x)
+            return system
         return ShardedNormalEquations(
             count=int(tally[1]), reducer=self.reducer, rows_sharded=self.rows_sharded, **fields
         )

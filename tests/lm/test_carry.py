@@ -111,6 +111,14 @@ def _new_inputs_same_values(run: dict[str, Any], first: bool) -> None:
     run["x"] = run["x"].clone()
 
 
+def _write_through_data(run: dict[str, Any], first: bool) -> None:
+    run["model"][0].weight.data[0, 0] += 0.01  # moves no version counter
+
+
+def _write_through_numpy(run: dict[str, Any], first: bool) -> None:
+    run["array"] *= 0.9  # the inputs share this memory; their version stays
+
+
 def _move_a_parameter(run: dict[str, Any], first: bool) -> None:
     with torch.no_grad():
         run["model"][0].weight[0, 0] += 0.01
@@ -150,6 +158,8 @@ CHANGES: dict[str, Callable[[dict[str, Any], bool], None]] = {
     "inputs changed in place": _change_inputs_in_place,
     "new input tensors, same values": _new_inputs_same_values,
     "a parameter moved": _move_a_parameter,
+    "a parameter written through .data": _write_through_data,
+    "inputs written through NumPy": _write_through_numpy,
     "load_state_dict": _load_a_state_dict,
     "an activation's setting": _change_a_setting,
     "a module swapped": _swap_a_module,
@@ -166,7 +176,16 @@ def test_a_change_between_steps_drops_the_kept_pass(change: str) -> None:
     for cls in (nn.Sequential, _Reference):
         model = _net(cls, [1, 16, 1], lambda: nn.LeakyReLU(0.1))
         opt = so.LevenbergMarquardt(model, so.residuals.mse)
-        runs.append({"model": model, "opt": opt, "x": x.clone(), "handles": []})
+        array = x.numpy().copy()
+        runs.append(
+            {
+                "model": model,
+                "opt": opt,
+                "x": torch.from_numpy(array),
+                "array": array,
+                "handles": [],
+            }
+        )
     try:
         for run in runs:
             for _ in range(4):

@@ -35,7 +35,10 @@ matrix, the factorisation, CG vectors and one trial evaluation).
 What is not modelled: memory the framework keeps for itself (the CUDA context, the
 caching allocator's fragmentation), the model's own buffers, and the model's
 activations, which only :func:`plan_memory`'s ``activations`` argument describes (one
-number, the entries a sample saves for backward, from :func:`activation_numel`).
+number, the entries a sample saves for backward, from :func:`activation_numel`);
+among them the trial's forward pass that :class:`~secondorder.lm.carry.ForwardCarry`
+keeps for the next step, with a copy of the inputs (one slice, and only while the plan
+pools J's rows).
 :class:`~secondorder.lm.LevenbergMarquardt` passes 0: it evaluates the model only
 on the schedule of a step.  For per-sample reverse mode, the default, activations
 are small next to J (a sample's k rows of J hold k·n numbers; its activations, the

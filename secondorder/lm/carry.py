@@ -87,19 +87,45 @@ def _no_global_hooks() -> bool:
     return not any(getattr(module, name, None) for name in names)
 
 
+def _backend_flags() -> tuple[Any, ...]:
+    """Global switches that choose the kernels a forward pass runs."""
+    cudnn = torch.backends.cudnn
+    return (
+        torch.get_float32_matmul_precision(),
+        torch.backends.mkldnn.enabled,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        cudnn.enabled,
+        cudnn.allow_tf32,
+        cudnn.deterministic,
+        cudnn.benchmark,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+
+
+def _modes() -> tuple[Any, ...]:
+    """The active torch function and dispatch modes (each may change any operation)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return (tuple(_get_current_function_mode_stack()), tuple(_get_current_dispatch_mode_stack()))
+
+
 def model_state(model: nn.Module, trainable: frozenset[int]) -> tuple[Any, ...] | None:
     """What ``model``'s forward depends on besides its trainable parameters and input.
 
     A tuple to compare for equality (module identities, types, training flags, public
-    settings, the version of every buffer and frozen parameter, matmul precision), or
-    ``None`` where the forward may depend on more: a module outside
-    :data:`PLAIN_MODULES`, a setting that is not a plain value, a hook (forward or
+    settings, the backend flags that choose kernels, the active torch function and
+    dispatch modes), or ``None`` where the forward may depend on more: a module
+    outside :data:`PLAIN_MODULES`, a setting that is not a plain value, a buffer or a
+    frozen parameter (a write through ``.data`` would go unseen), a hook (forward or
     backward, on a module or global), or autocast.  ``trainable``: the ids of the
     parameters the optimizer passes in (compared by value instead).
     """
     if not _no_global_hooks():
         return None
-    parts: list[Any] = [torch.get_float32_matmul_precision()]
+    parts: list[Any] = [_backend_flags(), *_modes()]
     for name, module in model.named_modules(remove_duplicate=False):
         if type(module) not in PLAIN_MODULES:
             return None
@@ -117,12 +143,11 @@ def model_state(model: nn.Module, trainable: frozenset[int]) -> tuple[Any, ...] 
             if not _plain(value):
                 return None
             settings.append((key, value))
-        tensors = [
-            (key, id(t), t._version)
-            for key, t in (*module._buffers.items(), *module._parameters.items())
-            if t is not None and id(t) not in trainable
-        ]
-        parts.append((name, id(module), tuple(settings), tuple(tensors)))
+        if any(t is not None for t in module._buffers.values()):
+            return None
+        if any(t is not None and id(t) not in trainable for t in module._parameters.values()):
+            return None
+        parts.append((name, module, tuple(settings)))
     first = next(model.parameters(), None)
     if first is not None and torch.is_autocast_enabled(first.device.type):
         return None
@@ -177,8 +202,8 @@ class ForwardCarry:
         """A linearisation starts: no trial is recorded unless the rule arms it."""
         self.armed = False
 
-    def end(self) -> None:
-        """A linearisation ended: let go of a pass it did not use."""
+    def discard(self) -> None:
+        """Let go of any kept pass (one a linearisation did not use, or not to keep)."""
         self._kept = None
 
     def state(self) -> tuple[Any, ...] | None:
@@ -263,8 +288,11 @@ class ForwardCarry:
             return False
         if any(p._version != version for p, version in kept.written):
             return False
-        for (held, version), t in zip(kept.inputs, tensors, strict=True):
+        for (held, version), t, value in zip(kept.inputs, tensors, kept.values, strict=True):
             if held is not t or t._version != version:
+                return False
+            # .data can swap in another shape without moving the version.
+            if t.shape != value.shape or t.dtype != value.dtype or t.device != value.device:
                 return False
         return self.state() == kept.state
 

@@ -493,11 +493,15 @@ def record_trial(
     except _UnsupportedError:
         with torch.no_grad():
             return program.batch(params, inputs, targets)
+    version = out._version
     with torch.no_grad():
         # As for any trial: the residual function runs without autograd (the
         # linearisation applies it again, to the kept output, with autograd).
         r = residual(out, targets)
-    carry.keep(point, leaves, inputs, state, calls, out)
+    if out._version == version:
+        carry.keep(point, leaves, inputs, state, calls, out)
+    else:  # the residual function wrote into the model's output: keep nothing
+        carry.discard()
     return r
 
 

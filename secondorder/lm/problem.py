@@ -323,7 +323,7 @@ class ModelProblem:
                         carry.begin()
                     J, r = self.strategy(program, points[k], inputs, targets)
                     if carry is not None:
-                        carry.end()
+                        carry.discard()
                     # Jᵀr and diag(JᵀJ) from the layers' factors when the outer-product
                     # rule wrote these rows, else a pass over J each.
                     products = program.row_products.take(

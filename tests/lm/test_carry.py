@@ -69,11 +69,17 @@ CASES: dict[str, tuple[list[int], Callable[[], tuple[Tensor, Tensor]], Any]] = {
 }
 
 
+#: One counter for every step: the active torch function modes are part of what a
+#: kept pass depends on, so a new mode object per step would drop every kept pass.
+COUNTER = LinearCalls()
+
+
 def _passes(opt: so.LevenbergMarquardt, x: Any, y: Any, layers: int) -> tuple[float, int, int]:
     """One step: its loss, its attempts and the forward passes it made."""
-    with LinearCalls() as counter:
+    COUNTER.calls = 0
+    with COUNTER:
         info = opt.step(x, y)
-    return info.loss, info.attempts, counter.calls // layers
+    return info.loss, info.attempts, COUNTER.calls // layers
 
 
 def _same(a: nn.Module, b: nn.Module) -> bool:
@@ -154,6 +160,16 @@ def _eval_mode(run: dict[str, Any], first: bool) -> None:
     run["model"].eval()
 
 
+def _resize_through_data(run: dict[str, Any], first: bool) -> None:
+    run["x"].data = torch.linspace(-0.5, 0.5, 200).unsqueeze(1)  # same version
+    run["y"] = torch.sinc(10.0 * run["x"])
+
+
+def _backend_flag(run: dict[str, Any], first: bool) -> None:
+    if first:  # a global switch, seen by both runs (restored by the test)
+        torch.backends.mkldnn.enabled = not torch.backends.mkldnn.enabled
+
+
 CHANGES: dict[str, Callable[[dict[str, Any], bool], None]] = {
     "inputs changed in place": _change_inputs_in_place,
     "new input tensors, same values": _new_inputs_same_values,
@@ -166,12 +182,15 @@ CHANGES: dict[str, Callable[[dict[str, Any], bool], None]] = {
     "a forward hook": _add_a_hook,
     "a global forward hook": _add_a_global_hook,
     "eval mode": _eval_mode,
+    "inputs resized through .data": _resize_through_data,
+    "a backend flag": _backend_flag,
 }
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_change_between_steps_drops_the_kept_pass(change: str) -> None:
     x, y = _sinc()
+    mkldnn = torch.backends.mkldnn.enabled
     runs = []
     for cls in (nn.Sequential, _Reference):
         model = _net(cls, [1, 16, 1], lambda: nn.LeakyReLU(0.1))
@@ -182,6 +201,7 @@ def test_a_change_between_steps_drops_the_kept_pass(change: str) -> None:
                 "model": model,
                 "opt": opt,
                 "x": torch.from_numpy(array),
+                "y": y,
                 "array": array,
                 "handles": [],
             }
@@ -189,20 +209,23 @@ def test_a_change_between_steps_drops_the_kept_pass(change: str) -> None:
     try:
         for run in runs:
             for _ in range(4):
-                run["opt"].step(run["x"], y)
+                _, attempts, passes = _passes(run["opt"], run["x"], run["y"], 2)
+            run["carried"] = passes == attempts
         assert _same(runs[0]["model"], runs[1]["model"])
-        # Kept: the last step was accepted on a repeated batch.
+        # The last step used a kept pass and kept one (accepted, on a repeated batch).
+        assert runs[0]["carried"] and not runs[1]["carried"]
         assert runs[0]["opt"]._function.program.carry._kept is not None
         for i, run in enumerate(runs):
             CHANGES[change](run, i == 0)
         steps = []
         for run in runs:
-            steps.append(_passes(run["opt"], run["x"], y, 2))
+            steps.append(_passes(run["opt"], run["x"], run["y"], 2))
         (loss_k, attempts_k, passes_k), (loss_p, attempts_p, passes_p) = steps
         assert (loss_k, attempts_k) == (loss_p, attempts_p)
         assert _same(runs[0]["model"], runs[1]["model"])
         assert passes_k == passes_p  # linearised anew, as the reference was
     finally:
+        torch.backends.mkldnn.enabled = mkldnn
         for run in runs:
             for handle in run["handles"]:
                 handle.remove()
@@ -215,7 +238,7 @@ def test_new_targets_reuse_the_forward_pass_with_the_new_residuals() -> None:
     opts = [so.LevenbergMarquardt(m, so.residuals.mse) for m in (kept, plain)]
     for _ in range(4):
         for opt in opts:
-            opt.step(x, y)
+            _passes(opt, x, y, 2)
     y2 = y + 0.05 * torch.cos(5.0 * x)
     loss_k, attempts_k, passes_k = _passes(opts[0], x, y2, 2)
     loss_p, attempts_p, passes_p = _passes(opts[1], x, y2, 2)
@@ -240,9 +263,11 @@ def test_mini_batches_record_nothing() -> None:
 
 
 def test_model_state_vouches_only_for_plain_modules() -> None:
-    trainable: frozenset[int] = frozenset()
-    assert model_state(nn.Sequential(nn.Linear(2, 3), nn.GELU()), trainable) is not None
-    assert model_state(_Reference(nn.Linear(2, 3)), trainable) is None
+    def state(model: nn.Module) -> tuple[Any, ...] | None:
+        return model_state(model, frozenset(id(p) for p in model.parameters()))
+
+    assert state(nn.Sequential(nn.Linear(2, 3), nn.GELU())) is not None
+    assert state(_Reference(nn.Linear(2, 3))) is None
 
     class Scaled(nn.Module):
         def __init__(self) -> None:
@@ -252,20 +277,26 @@ def test_model_state_vouches_only_for_plain_modules() -> None:
         def forward(self, z: Tensor) -> Tensor:
             return z * self.scale
 
-    assert model_state(nn.Sequential(nn.Linear(2, 3), Scaled()), trainable) is None
+    assert state(nn.Sequential(nn.Linear(2, 3), Scaled())) is None
     act = nn.Tanh()
     act.forward = lambda z: z  # type: ignore[method-assign]
-    assert model_state(nn.Sequential(act), trainable) is None
+    assert state(nn.Sequential(act)) is None
     with torch.autocast("cpu"):
-        assert model_state(nn.Sequential(nn.Linear(2, 3)), trainable) is None
-    # A frozen parameter's in-place change shows in the state.
+        assert state(nn.Sequential(nn.Linear(2, 3))) is None
+    # A frozen parameter or a buffer could be written through .data unseen: refused.
     frozen = nn.Sequential(nn.Linear(2, 3))
     frozen[0].bias.requires_grad_(False)
-    keep = frozenset({id(frozen[0].weight)})
-    before = model_state(frozen, keep)
-    with torch.no_grad():
-        frozen[0].bias.add_(1.0)
-    assert model_state(frozen, keep) != before
+    assert model_state(frozen, frozenset({id(frozen[0].weight)})) is None
+    buffered = nn.Sequential(nn.Linear(2, 3))
+    buffered[0].register_buffer("scale", torch.ones(3))
+    assert model_state(buffered, frozenset(id(p) for p in buffered.parameters())) is None
+    # A torch function mode entered or left changes the state.
+    plain = nn.Sequential(nn.Linear(2, 3))
+    everything = frozenset(id(p) for p in plain.parameters())
+    before = model_state(plain, everything)
+    with LinearCalls():
+        assert model_state(plain, everything) != before
+    assert model_state(plain, everything) == before
 
 
 def test_an_interrupt_while_a_trial_is_recorded_leaves_no_trace() -> None:
@@ -319,3 +350,45 @@ def test_passes_that_go_unused_make_the_recording_rest() -> None:
         _, attempts, passes = _passes(opt, x, y, 2)
         carried += passes == attempts
     assert carried >= 20
+
+
+def test_a_residual_function_writing_into_the_output_keeps_nothing() -> None:
+    x, y = _sinc()
+
+    def in_place(out: Tensor, t: Tensor) -> Tensor:
+        out -= t  # writes into the model's output
+        return out
+
+    kept = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
+    plain = _net(_Reference, [1, 16, 1], nn.Tanh)
+    opt_k = so.LevenbergMarquardt(kept, in_place)
+    opt_p = so.LevenbergMarquardt(plain, in_place)
+    for _ in range(6):
+        loss_k, attempts_k, passes_k = _passes(opt_k, x, y, 2)
+        loss_p, attempts_p, passes_p = _passes(opt_p, x, y, 2)
+        assert (loss_k, attempts_k, passes_k) == (loss_p, attempts_p, passes_p)
+        assert _same(kept, plain)
+
+
+def test_a_function_mode_entered_between_steps_drops_the_kept_pass() -> None:
+    class Scaled(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+            kwargs: Any = None,
+        ) -> Any:  # fmt: skip
+            out = func(*args, **(kwargs or {}))
+            return out * 1.25 if getattr(func, "__name__", "") == "linear" else out
+
+    x, y = _sinc()
+    kept = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
+    plain = _net(_Reference, [1, 16, 1], nn.Tanh)
+    opts = [so.LevenbergMarquardt(m, so.residuals.mse) for m in (kept, plain)]
+    for _ in range(4):
+        for opt in opts:
+            opt.step(x, y)
+    infos = []
+    with Scaled():
+        for opt in opts:
+            infos.append(opt.step(x, y))
+    assert (infos[0].loss, infos[0].attempts) == (infos[1].loss, infos[1].attempts)
+    assert _same(kept, plain)

@@ -86,6 +86,20 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+def _pair(
+    residual: Any = so.residuals.mse, warm: int = 4
+) -> tuple[nn.Module, nn.Module, list[so.LevenbergMarquardt], Tensor, Tensor]:
+    """The network whose passes may be kept and its reference, after ``warm`` steps each."""
+    x, y = _sinc()
+    kept = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
+    plain = _net(_Reference, [1, 16, 1], nn.Tanh)
+    opts = [so.LevenbergMarquardt(m, residual) for m in (kept, plain)]
+    for _ in range(warm):
+        for opt in opts:
+            _passes(opt, x, y, 2)
+    return kept, plain, opts, x, y
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_repeated_batch_is_evaluated_once_per_attempt(case: str) -> None:
     sizes, data, residual = CASES[case]
@@ -232,13 +246,7 @@ def test_a_change_between_steps_drops_the_kept_pass(change: str) -> None:
 
 
 def test_new_targets_reuse_the_forward_pass_with_the_new_residuals() -> None:
-    x, y = _sinc()
-    kept = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
-    plain = _net(_Reference, [1, 16, 1], nn.Tanh)
-    opts = [so.LevenbergMarquardt(m, so.residuals.mse) for m in (kept, plain)]
-    for _ in range(4):
-        for opt in opts:
-            _passes(opt, x, y, 2)
+    kept, plain, opts, x, y = _pair()
     y2 = y + 0.05 * torch.cos(5.0 * x)
     loss_k, attempts_k, passes_k = _passes(opts[0], x, y2, 2)
     loss_p, attempts_p, passes_p = _passes(opts[1], x, y2, 2)
@@ -353,16 +361,11 @@ def test_passes_that_go_unused_make_the_recording_rest() -> None:
 
 
 def test_a_residual_function_writing_into_the_output_keeps_nothing() -> None:
-    x, y = _sinc()
-
     def in_place(out: Tensor, t: Tensor) -> Tensor:
         out -= t  # writes into the model's output
         return out
 
-    kept = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
-    plain = _net(_Reference, [1, 16, 1], nn.Tanh)
-    opt_k = so.LevenbergMarquardt(kept, in_place)
-    opt_p = so.LevenbergMarquardt(plain, in_place)
+    kept, plain, (opt_k, opt_p), x, y = _pair(in_place, warm=0)
     for _ in range(6):
         loss_k, attempts_k, passes_k = _passes(opt_k, x, y, 2)
         loss_p, attempts_p, passes_p = _passes(opt_p, x, y, 2)
@@ -379,13 +382,7 @@ def test_a_function_mode_entered_between_steps_drops_the_kept_pass() -> None:
             out = func(*args, **(kwargs or {}))
             return out * 1.25 if getattr(func, "__name__", "") == "linear" else out
 
-    x, y = _sinc()
-    kept = _net(nn.Sequential, [1, 16, 1], nn.Tanh)
-    plain = _net(_Reference, [1, 16, 1], nn.Tanh)
-    opts = [so.LevenbergMarquardt(m, so.residuals.mse) for m in (kept, plain)]
-    for _ in range(4):
-        for opt in opts:
-            opt.step(x, y)
+    kept, plain, opts, x, y = _pair()
     infos = []
     with Scaled():
         for opt in opts:

@@ -12,9 +12,11 @@ it to the next linearisation only if nothing that pass depends on has changed:
   then their values against a copy: writes through ``.data`` or a NumPy array that
   shares their memory do not move versions);
 * the model: the same modules, each of a type whose forward depends on nothing but its
-  parameters, buffers and plain settings (:data:`PLAIN_MODULES`, exact types), with the
-  same settings, training flags and buffers, and no hooks;
-* autocast and float32 matmul precision as they were.
+  parameters and plain settings (:data:`PLAIN_MODULES`, exact types), with the same
+  settings and training flags, and no buffers, frozen parameters or hooks;
+* the backend switches that choose kernels (matmul precision, TF32, mkldnn, cudnn,
+  deterministic algorithms), the active torch function and dispatch modes, and no
+  autocast.
 
 The values are compared on the device and read with the loss (no host read of their
 own); where they differ, the linearisation starts again without the pass.  The
@@ -40,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["PLAIN_MODULES", "ForwardCarry", "model_state"]
 
 #: Module types (exact, not subclasses) whose output depends only on their input,
-#: parameters, buffers and public settings of plain Python values.
+#: parameters and public settings of plain Python values.
 PLAIN_MODULES: tuple[type[nn.Module], ...] = (
     nn.Sequential,
     nn.Linear,

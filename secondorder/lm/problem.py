@@ -223,7 +223,8 @@ class ModelProblem:
         """``Σr²``, ``Jᵀr``, ``diag(JᵀJ)`` and the Gram or J's rows at ``x``, all ranks summed."""
         counts: list[int] = []
         error: Exception | None = None
-        carry = self.program.carry
+        # The program a kept forward pass belongs to (one slice: the first device's).
+        carry = self.replicas[0].program.carry
         try:
             sums = self._accumulate(x, counts)
         except Exception as exc:
@@ -467,14 +468,15 @@ class ModelProblem:
         # A batch the last two linearisations saw is likely seen again: the trial's
         # forward pass is kept for the next one (ForwardCarry), on one slice, device
         # and process, while the memory plan keeps buffers between steps.
-        carry = self.program.carry if self._local() and self.setup.pool_rows else None
+        program = self.replicas[0].program
+        carry = program.carry if self._local() and self.setup.pool_rows else None
         record = carry is not None and carry.armed
         try:
             with torch.no_grad(), self.function.frozen():
                 for k, inputs, targets in group.stage(self.slices()):
                     with group.on(k):
                         if record:
-                            r = record_trial(self.program, points[k], inputs, targets, x)
+                            r = record_trial(program, points[k], inputs, targets, x)
                         else:
                             r = self.replicas[k].batch(points[k], inputs, targets)
                         r = r.to(torch.float64)

@@ -201,8 +201,9 @@ class ForwardCarry:
         self.check: Tensor | None = None
 
     def begin(self) -> None:
-        """A linearisation starts: no trial is recorded unless the rule arms it."""
+        """A linearisation starts: nothing armed or pending until the rule's :meth:`take`."""
         self.armed = False
+        self.check = None
 
     def discard(self) -> None:
         """Let go of any kept pass (one a linearisation did not use, or not to keep)."""

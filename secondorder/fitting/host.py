@@ -59,7 +59,9 @@ class HostQRSolver(QRSolver):
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         super().__init__(dtype, host=True)
 
-    def factor(self, system: NormalEquations, d: torch.Tensor) -> Factorization:  # noqa: D102
+    def factor(  # noqa: D102
+        self, system: NormalEquations, d: torch.Tensor, uniform: bool = False
+    ) -> Factorization:
         arrays = system.host
         if (
             _LAPACK is None
@@ -69,10 +71,10 @@ class HostQRSolver(QRSolver):
             or d.dtype != torch.float64
             or not d.is_cpu
         ):
-            return super().factor(system, d)
+            return super().factor(system, d, uniform)
         m, n = arrays.jac.shape
         if m < n or n > HOST_MAX_N:
-            return super().factor(system, d)
+            return super().factor(system, d, uniform)
         # The engine read the scalars before factoring: finite means J (through its
         # column norms) and r (through the loss) hold finite numbers only.
         return _LeanHostSVD.build(arrays.jac, arrays.residuals, d.numpy(), system.scalars()[0])

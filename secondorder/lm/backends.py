@@ -281,7 +281,7 @@ class ArrayCholeskySolver(_ArraySolver):
 
     name = "cholesky"
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
         gram, jac = self._parts(system)
         if jac is not None:
             return _ArrayCholeskyDual(self.io, jac, d, self.dtype or jac.dtype)
@@ -299,7 +299,7 @@ class ArrayEighSolver(_ArraySolver):
 
     name = "eigh"
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
         gram, jac = self._parts(system)
         if jac is not None:
             return _ArrayEighDual(self.io, jac, d, self.dtype or jac.dtype)

@@ -154,7 +154,7 @@ class CGSolver(LinearSolver):
             return self.rtol
         return max(self.rtol, min(self.forcing, math.sqrt(min(gamma, 1.0))))
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
         if system.dual:
             raise RuntimeError("the cg solver works on the primal form")
         max_iter = self.max_iter if self.max_iter is not None else max(1, system.n)

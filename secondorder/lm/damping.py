@@ -405,6 +405,8 @@ class DampingMatrix:
     """
 
     name = ""
+    #: Whether ``D`` is always a multiple of the identity (known without reading it).
+    uniform = False
 
     def __init__(self, floor: float = 1e-9) -> None:
         self.floor = floor
@@ -474,6 +476,7 @@ class IdentityMatrix(DampingMatrix):
     """``D = I``: the original Levenberg damping; λ is then in units of ``JᵀJ``."""
 
     name = "identity"
+    uniform = True
 
     def diagonal(  # noqa: D102
         self, col_sq: Tensor, state: DampingState, damping_min: float = 0.0

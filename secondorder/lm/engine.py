@@ -277,7 +277,7 @@ def iterate(
     col = system.col_sq if system.scale_sq is None else system.scale_sq
     d = matrix.diagonal(col, state, config.damping_min)
     try:
-        fact = solver.factor(system, d)
+        fact = solver.factor(system, d, matrix.uniform)
     except torch.linalg.LinAlgError as exc:
         # An eigendecomposition or QR that does not converge is a numerical fault of
         # this point, not of the program: raise λ and let the caller try again.

@@ -371,18 +371,21 @@ class _ScaledRows:
 
 
 class _OuterRows:
-    """``J D⁻¹Jᵀ`` for ``D = d₀I`` from the factors' ``J Jᵀ``; ``δ = Jᵀy / d₀`` from J."""
+    """``J D⁻¹Jᵀ`` for ``D = d₀I`` from the factors' ``J Jᵀ``; ``δ = Jᵀy / d₀`` from J.
 
-    def __init__(self, jac: Tensor, d0: float, outer: Tensor) -> None:
-        self.jac, self.inv_d = jac, 1.0 / d0
-        self.k = outer.mul_(self.inv_d)
+    ``d0`` stays a 0-d tensor on the device: reading it would cost a host read.
+    """
+
+    def __init__(self, jac: Tensor, d0: Tensor, outer: Tensor) -> None:
+        self.jac, self.d0 = jac, d0.to(jac.dtype)
+        self.k = outer.div_(d0.to(outer.dtype))
         #: ``Jδ`` of the last :meth:`step`.
         self.image: Tensor | None = None
 
     def step(self, y: Tensor) -> Tensor:
         """``δ = Jᵀy / d₀`` (in J's dtype); its image ``Jδ = K y`` is kept in :attr:`image`."""
         self.image = self.k @ y
-        return self.inv_d * (self.jac.T @ y.to(self.jac.dtype))
+        return (self.jac.T @ y.to(self.jac.dtype)) / self.d0
 
 
 class Factorization:
@@ -438,8 +441,12 @@ class LinearSolver:
     #: Whether this solver needs the record's K-FAC factors (CG with ``"kfac"``).
     needs_kronecker = False
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:
-        """Prepare the solves of one iteration for damping diagonal ``d``."""
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:
+        """Prepare the solves of one iteration for damping diagonal ``d``.
+
+        ``uniform``: the caller knows ``d`` to be a multiple of the identity (its damping
+        matrix says so), which no solver then reads from the device.
+        """
         raise NotImplementedError
 
 
@@ -494,7 +501,7 @@ class _CholeskyDual(Factorization):
         if outer is None:
             self.rows = _ScaledRows(jac, d, dtype)
         else:
-            self.rows = _OuterRows(jac, float(d[0]), outer)
+            self.rows = _OuterRows(jac, d[0], outer)
         self.k = self.rows.k
 
     def _solve(self, damping: float, w: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -521,7 +528,8 @@ class CholeskySolver(LinearSolver):
 
     Primal: ``JᵀJ + λD`` (n×n).  Dual (fewer residuals than parameters):
     ``Js Jsᵀ + λI`` (m×m) with ``Js = J D^-½``, then ``δ = D^-½ Jsᵀ y``; with
-    ``D = d₀I`` and the system's ``factor_gram``, ``J Jᵀ/d₀`` from the layers' factors.
+    ``D = d₀I`` (``uniform``) and the system's ``factor_gram``, ``J Jᵀ/d₀`` from the
+    layers' factors.
     """
 
     name = "cholesky"
@@ -534,13 +542,13 @@ class CholeskySolver(LinearSolver):
         #: float32.  Cleared by the next :meth:`factor`.
         self.dual_check: DualFloorCheck | None = None
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
         check, self.dual_check = self.dual_check, None
         if system.dual:
             assert system.jac is not None
             jac = system.jac
             dtype = self.dtype or jac.dtype
-            if system.factor_gram is not None and bool((d == d[0]).all()):
+            if system.factor_gram is not None and uniform:
                 # D = d₀I: J D⁻¹Jᵀ = J Jᵀ/d₀ from the layers' factors, cheap in any
                 # dtype, so the float32 attempt behind ``check`` would save nothing.
                 return _CholeskyDual(jac, d, dtype, system.factor_gram(dtype))
@@ -599,7 +607,7 @@ class EighSolver(LinearSolver):
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
         if system.dual:
             assert system.jac is not None
             return _EighDual(system.jac, d, self.dtype or system.jac.dtype)
@@ -850,7 +858,7 @@ class QRSolver(LinearSolver):
         self.dtype = dtype
         self.host = host
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
         if system.jac is None:
             raise RuntimeError("the qr solver needs the Jacobian")
         dtype = self.dtype or system.jac.dtype

@@ -109,7 +109,7 @@ class ShardedCGSolver(CGSolver):
         super().__init__(rtol, max_iter, forcing, preconditioner)
         self.reducer = reducer
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
         if system.dual:
             raise RuntimeError("the cg solver works on the primal form")
         max_iter = self.max_iter if self.max_iter is not None else max(1, system.n)
@@ -163,11 +163,11 @@ class BroadcastSolver(LinearSolver):
         self.rows_sharded = bool(getattr(inner, "rows_sharded", False))
         self.needs_kronecker = bool(getattr(inner, "needs_kronecker", False))
 
-    def factor(self, system: NormalEquations, d: Tensor) -> Factorization:  # noqa: D102
+    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
         fact: Factorization | None = None
         error: BaseException | None = None
         try:
-            fact = self.inner.factor(system, d)
+            fact = self.inner.factor(system, d, uniform)
         except Exception as exc:
             error = exc
         flags = torch.zeros(2, dtype=torch.float64, device=d.device)

@@ -128,6 +128,24 @@ def test_lm_step_syncs_only_for_its_decisions(gram_dtype: torch.dtype | str, for
         assert "float32" in dtypes, dtypes
 
 
+def test_classifier_dual_step_syncs_only_for_its_decisions() -> None:
+    # The classifier defaults (D = I, dual form): J Jᵀ comes from the layers'
+    # factors, and D = I is known from the damping matrix, not read from the device.
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
+    opt = so.LevenbergMarquardt(model, so.residuals.cross_entropy, form="dual")
+    batches = [(torch.randn(64, 32, generator=gen), torch.randint(0, 10, (64,), generator=gen))]
+    batches += [
+        (torch.randn(64, 32, generator=gen), torch.randint(0, 10, (64,), generator=gen))
+        for _ in range(3)
+    ]
+    opt.step(*batches[0])
+    for x, y in batches[1:]:
+        info, sites = _count(lambda x=x, y=y: opt.step(x, y))
+        assert info.form == "dual"
+        assert len(sites) == 1 + 2 * info.attempts, sites
+
+
 def test_rejected_attempts_each_cost_two_syncs() -> None:
     model, x, y = _sinc()
     opt = so.LevenbergMarquardt(model, damping=1e-9, damping_rule="multiplicative")

@@ -150,7 +150,7 @@ def test_dual_cholesky_from_the_factor_gram_matches_the_primal_solve() -> None:
     system = _system(jac, w)
     system.factor_gram = outer
     d0 = 3.0
-    fact = make_solver("cholesky", torch.float64).factor(system, torch.full((n,), d0))
+    fact = make_solver("cholesky", torch.float64).factor(system, torch.full((n,), d0), uniform=True)
     assert calls == [torch.float64]
     j64 = jac.double()
     for lam in (1e-8, 1e-2, 1.0):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -708,12 +708,10 @@ def _linear_rule(
         read.append((lo, hi))
     skip = {starts[name] for name in from_rows}
     kept = [
-        _Factors(
+        replace(
+            f,
             weight=None if f.weight in skip else f.weight,
             bias=None if f.bias in skip else f.bias,
-            g=f.g,
-            a=f.a,
-            r=f.r,
         )
         for f in factors
     ]

@@ -15,6 +15,8 @@ ms per step and ``peer / ours`` of the medians, with the thread count, the load
 average before and after and the date.  With ``--base DIR``, ``DIR/secondorder_base``
 is an older copy of the package (``git archive <commit> secondorder | tar -x -C DIR``,
 then renamed) timed in the same rounds: before and after, side by side.
+``--low-thresholds`` keeps glibc's allocator thresholds where a fresh process has
+them (the optimizer otherwise raises them, for every stepper in the process).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 import secondorder
+import secondorder._host_memory as host_memory
 
 from .workloads import cnn, digits, mlp, sinc_data
 
@@ -123,7 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default=None, help="folder holding secondorder_base")
     ap.add_argument("--options", default="{}", help="JSON options for both packages")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument(
+        "--low-thresholds",
+        action="store_true",
+        help="leave glibc's mmap and trim thresholds where they start "
+        "(secondorder._host_memory), to measure what raising them gains",
+    )
     args = ap.parse_args(argv)
+    if args.low_thresholds:
+        host_memory._done = True  # as though raised before: the optimizers leave them
     torch.set_num_threads(args.threads)
     options = json.loads(args.options)
     for k, v in options.items():

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._host_memory import raise_allocator_thresholds
 from ..distributed import Reducer, resolve_reducer
 from ..distributed.devices import replicate_module, resolve_devices, sync_replica
 from .batch import ProbeCache, check_step
@@ -231,6 +232,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         if self.reducer.world_size > 1:
             self._agree_across_ranks(named, residual_fn)
         super().__init__([p for _, p in named], {"lr": lr})
+        if any(d.type == "cpu" for d in (*group.devices, group.solver)):
+            # A step's temporaries of a few MB otherwise fault in afresh every step.
+            raise_allocator_thresholds()
         self.model = model
         self.residual_fn = residual_fn
         #: Whether inputs may arrive on any device (they are moved slice by slice).

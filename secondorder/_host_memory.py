@@ -45,15 +45,16 @@ def raise_allocator_thresholds() -> bool:
     """Raise glibc's mmap and trim thresholds once per process; ``True`` if done now.
 
     ``False`` where it was done before or where the C library is not glibc.
-    The block is allocated through torch's CPU allocator, so the thresholds that
-    rise are those torch's own tensors are allocated under; it is never written,
-    so no page of it is touched.
+    The block is a storage from torch's CPU allocator, whatever the default device,
+    so the thresholds that rise are those torch's own tensors are allocated under;
+    it is never written, so no page of it is touched.
     """
     global _done
     with _lock:
         if _done or not _glibc():
             return False
-        block = torch.empty(BLOCK_BYTES, dtype=torch.uint8)
+        # A bare storage: no default device, dispatch mode or tensor in between.
+        block = torch.UntypedStorage(BLOCK_BYTES, device="cpu")
         del block
         _done = True
         return True

@@ -69,7 +69,11 @@ def test_a_cpu_optimizer_keeps_its_steps_temporaries_mapped():
 
 
 def test_the_thresholds_are_raised_once_per_process():
-    code = "from secondorder._host_memory import raise_allocator_thresholds as r; print(r(), r())"
+    """Once, whatever the default device (the block is a bare CPU storage)."""
+    code = (
+        "import torch; torch.set_default_device('meta'); "
+        "from secondorder._host_memory import raise_allocator_thresholds as r; print(r(), r())"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": str(ROOT)},

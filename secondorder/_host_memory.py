@@ -51,10 +51,12 @@ def raise_allocator_thresholds() -> bool:
     """
     global _done
     with _lock:
-        if _done or not _glibc():
+        if _done:
+            return False
+        _done = True
+        if not _glibc():
             return False
         # A bare storage: no default device, dispatch mode or tensor in between.
         block = torch.UntypedStorage(BLOCK_BYTES, device="cpu")
         del block
-        _done = True
         return True

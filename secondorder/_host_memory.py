@@ -8,8 +8,8 @@ thresholds start small (128 KiB and 256 KiB) and rise only after a mapped block
 is freed: the mmap threshold to that block's size, up to 32 MiB, the trim
 threshold to twice it (``man 3 mallopt``, "dynamic mmap threshold").  Until then
 every page of those temporaries is faulted in again on each step: on the sinc
-benchmark (20,000 points, float32) about 2,700 page faults and a quarter of a
-step's time.
+benchmark (20,000 points, float32) 1,000-4,000 page faults a step, 23% of its
+time (``python -m benchmarks.host_memory``).
 
 :func:`raise_allocator_thresholds` frees one untouched block just under 32 MiB,
 once per process, which raises both thresholds to that dynamic maximum, the state

@@ -245,11 +245,13 @@ class ModelProblem:
             col_sq = gram.diagonal().to(x.dtype).clone()
         wide = torch.float64
         # The residual count travels with the loss: exact in float64 below 2⁵³ entries.
+        # torch.full fills on the device; torch.tensor would copy from the host, and a
+        # copy from pageable host memory makes a GPU's queue drain first.
         tally = torch.stack(
-            [sums.loss_sum, torch.tensor(float(sums.count), dtype=wide, device=x.device)]
+            [sums.loss_sum, torch.full((), float(sums.count), dtype=wide, device=x.device)]
         )
         if self.reducer.world_size > 1:
-            failed = torch.tensor([float(error is not None)], dtype=wide, device=x.device)
+            failed = torch.full((1,), float(error is not None), dtype=wide, device=x.device)
             tally = torch.cat([tally, failed])
         self.reducer.sum_([tally, sums.grad, col_sq] + ([gram] if gram is not None else []))
         if self.reducer.world_size > 1:

@@ -294,7 +294,10 @@ def _check_tensors(tree: Any, name: str) -> None:
 
 
 def _check_leaves(inputs: Any, targets: Any, p0: Tensor, any_device: bool) -> None:
-    """Inputs in the parameters' dtype, and on their device unless devices were given."""
+    """Inputs in the parameters' dtype; inputs and targets on their device.
+
+    With ``devices=`` given, both may be anywhere: each slice is moved to its device.
+    """
     for leaf in tree_flatten(inputs)[0]:
         if isinstance(leaf, Tensor):
             if leaf.is_floating_point() and leaf.dtype != p0.dtype:
@@ -305,7 +308,7 @@ def _check_leaves(inputs: Any, targets: Any, p0: Tensor, any_device: bool) -> No
             if leaf.device != p0.device and not any_device:
                 raise ValueError(f"inputs are on {leaf.device} but the model is on {p0.device}")
     for leaf in tree_flatten(targets)[0]:
-        if isinstance(leaf, Tensor) and leaf.device != p0.device:
+        if isinstance(leaf, Tensor) and leaf.device != p0.device and not any_device:
             raise ValueError(f"targets are on {leaf.device} but the model is on {p0.device}")
 
 

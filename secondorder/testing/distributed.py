@@ -1,4 +1,4 @@
-"""A launcher that runs one function on several gloo ranks, each in a new process.
+"""A launcher that runs one function on several ranks, each in a new process.
 
 Why new processes and not threads: ``torch.distributed`` allows one default group per
 process, and a rank that hangs or dies must not take the test runner with it.  Why
@@ -14,6 +14,9 @@ Example::
 
     results = run_ranks(job, world=2, args=(5,))
     torch.testing.assert_close(results[0].value, results[1].value, rtol=0, atol=0)
+
+The ranks join a gloo group, which runs on any machine (and takes CUDA tensors too);
+``backend="nccl"`` starts an NCCL group instead, for CUDA tensors on GPUs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RankError", "RankResult", "run_ranks"]
+
+#: The ``torch.distributed`` backends :func:`run_ranks` starts its ranks with.
+_BACKENDS = ("gloo", "nccl")
 
 
 class RankError(RuntimeError):
@@ -67,6 +73,7 @@ def _rank_main(
     timeout_s: float,
     threads: int,
     args: tuple[Any, ...],
+    backend: str,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -75,7 +82,7 @@ def _rank_main(
     try:
         # Inside the try: a rendezvous that fails is reported as this rank's error.
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=init,
             rank=rank,
             world_size=world,
@@ -105,8 +112,9 @@ def run_ranks(
     wait_for: Sequence[int] | None = None,
     threads: int = 1,
     check: bool = True,
+    backend: str = "gloo",
 ) -> dict[int, RankResult]:
-    """Call ``fn(rank, world, *args)`` on ``world`` gloo ranks; each rank's result by rank.
+    """Call ``fn(rank, world, *args)`` on ``world`` ranks; each rank's result by rank.
 
     Args:
         fn: a module-level function (spawned processes import it by name).
@@ -121,13 +129,22 @@ def run_ranks(
         threads: torch threads per rank; 1 keeps ranks from competing for cores.
         check: raise :class:`RankError` if a waited-for rank raised or wrote nothing.
             With ``check=False`` the caller inspects each :class:`RankResult`.
+        backend: the process group's backend, ``"gloo"`` (CPU and CUDA tensors) or
+            ``"nccl"`` (CUDA tensors, one GPU per rank: ``fn`` calls
+            ``torch.cuda.set_device`` before its first collective).
 
     Raises:
+        ValueError: a bad ``world``, ``fn`` or ``backend``, before any rank starts.
         RankError: a rank ran past ``deadline_s``; with ``check``, also a rank that
             raised (its traceback is in the message) or wrote no result.
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"Invalid world={world!r}: must be an integer >= 1.")
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(
+            f"Invalid backend={backend!r}: must be one of {_BACKENDS}; pass backend='gloo' "
+            "for CPU (or CUDA) tensors, or backend='nccl' for CUDA tensors on one GPU per rank."
+        )
     qualname = getattr(fn, "__qualname__", "")
     if not callable(fn) or "<locals>" in qualname or "<lambda>" in qualname:
         raise ValueError(
@@ -140,7 +157,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, r, world, init, tmp, float(timeout_s), threads, tuple(args)),
+                args=(fn, r, world, init, tmp, float(timeout_s), threads, tuple(args), backend),
             )
             for r in range(world)
         ]

@@ -50,3 +50,17 @@ def test_bad_arguments_are_refused() -> None:
 
     with pytest.raises(ValueError, match="module-level function"):
         run_ranks(local, 2)
+
+
+def test_an_unknown_backend_is_refused_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[object] = []
+    monkeypatch.setattr("multiprocessing.context.SpawnProcess.start", started.append)
+    with pytest.raises(
+        ValueError, match=r"Invalid backend='mpi': must be one of \('gloo', 'nccl'\); pass"
+    ):
+        run_ranks(job_sum, 2, args=(1.0,), backend="mpi")
+    with pytest.raises(ValueError, match=r"Invalid backend=None: must be one of"):
+        run_ranks(job_sum, 2, args=(1.0,), backend=None)  # type: ignore[arg-type]
+    assert started == []

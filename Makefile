@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # own index: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_INDEX ?=
 
-.PHONY: venv demo bench bench-quick scaling bench-kfac bench-shampoo scaling-shampoo reliability test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick bench-cuda test-cuda scaling bench-kfac bench-shampoo scaling-shampoo reliability test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: $(VENV)/.bench
 
 bench-quick: $(VENV)/.bench
 	$(PY) -m benchmarks.bench --quick --json out/bench/bench_quick.json
+
+# On a machine with an NVIDIA GPU and the CUDA build: `make bench-cuda TORCH_SPEC=torch`.
+bench-cuda: $(VENV)/.bench
+	$(PY) -m benchmarks.bench --quick --device cuda --no-scaling --out out/bench_cuda --json out/bench_cuda/bench_quick.json
+	$(PY) -m benchmarks.profile_cuda > out/bench_cuda/profile.md
 
 scaling: venv
 	$(PY) -m benchmarks.scaling
@@ -57,6 +62,10 @@ typecheck: venv
 
 test: lint typecheck
 	$(PY) -m pytest -q -m "not slow"
+
+# The tests marked cuda (skipped where torch sees no GPU): `make test-cuda TORCH_SPEC=torch`.
+test-cuda: venv
+	$(PY) -m pytest -q -m cuda -rs
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow

@@ -182,6 +182,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"methods to run (default all): {', '.join(METHODS)}",
     )
     b.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    b.add_argument(
+        "--device",
+        default="cpu",
+        help="where the data and models live: cpu (default), cuda, cuda:1, ...; scipy stays "
+        "on the CPU and is left out of a GPU run",
+    )
     b.add_argument("--out", default="out/bench", help="folder for bench.md and the plots")
     b.add_argument("--json", default=None, help="write the results as JSON to this file")
     b.add_argument("--floor-reps", type=int, default=5, help="repetitions per floor timing")
@@ -201,15 +207,21 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.floor_reps < 1:
         print(f"--floor-reps must be >= 1, got {args.floor_reps}", file=sys.stderr)
         return 2
+    device = _device(args.device)
+    if device is None:
+        return 2
     torch.set_num_threads(args.threads)
     if args.problems is None:
         args.problems = list(FAMILY_PROBLEMS[args.family])
     fams = families(args.floor_reps)
     problems = build_problems(quick=args.quick, tiny=args.tiny, keys=args.problems)
+    problems = {k: p.on(device) for k, p in problems.items()}
     info = machine(fams)
+    info["device"] = device
+    where = info["cpu"] if device == "cpu" else f"{info['gpu']} ({device}), host {info['cpu']}"
     started = datetime.datetime.now(datetime.timezone.utc)
     command = _command(args)
-    print(f"bench on {info['cpu']}, {info['threads']} threads, torch {info['torch']}")
+    print(f"bench on {where}, {info['threads']} threads, torch {info['torch']}")
     results = []
     for key in args.problems:
         problem = problems[key]
@@ -224,13 +236,14 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     header = (
         f"# secondorder bench ({'tiny' if args.tiny else 'quick' if args.quick else 'full'})\n\n"
-        f"{started:%Y-%m-%d %H:%M} UTC; {info['cpu']}, {info['cores_visible']} cores visible, "
+        f"{started:%Y-%m-%d %H:%M} UTC; {where}, {info['cores_visible']} cores visible, "
         f"{info['threads']} torch threads; torch {info['torch']}, Python {info['python']}; "
         f"{peers}.\n"
         f"Command: `{command}`. Times are the optimizer's own (curve evaluations excluded)."
     )
     report = core_markdown(results, header, fams)
     scaling: dict[str, Any] | None = None
+    # The scaling reports run gloo processes on the CPU, whatever --device says.
     if not (args.tiny or args.no_scaling) and args.family in ("lm", "all"):
         scaling_problem = scaling_module.QUICK if args.quick else scaling_module.FULL
         text, scaling = scaling_module.report(
@@ -270,6 +283,24 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(name: str) -> str | None:
+    """``--device`` as torch spells it, or None (with the reason printed) if unusable."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        print(
+            f"--device {name!r} is not a device torch knows ({e}); try cpu or cuda", file=sys.stderr
+        )
+        return None
+    if dev.type not in ("cpu", "cuda"):
+        print(f"--device {name!r}: the benchmark runs on cpu or cuda", file=sys.stderr)
+        return None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(f"--device {name!r}: this torch sees no CUDA GPU; use --device cpu", file=sys.stderr)
+        return None
+    return str(dev)
+
+
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run."""
     parts = ["python -m benchmarks.bench"]
@@ -285,6 +316,8 @@ def _command(args: argparse.Namespace) -> str:
         parts.append("--methods " + " ".join(args.methods))
     if args.threads != 2:
         parts.append(f"--threads {args.threads}")
+    if args.device != "cpu":
+        parts.append(f"--device {args.device}")
     parts.append(f"--out {args.out}")
     if args.json:
         parts.append(f"--json {args.json}")

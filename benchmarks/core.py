@@ -30,7 +30,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -58,6 +58,7 @@ __all__ = [
     "plot",
     "run_method",
     "run_problem",
+    "sync",
     "torch_optimizer",
     "train",
 ]
@@ -93,6 +94,7 @@ class Problem:
         note: appended to the problem's description line in the report.
         settings: knobs of particular methods, by name (a learning rate, LM options);
             a method reads the keys it knows and falls back to its own defaults.
+        device: where the data and every model of the problem live (:meth:`on`).
     """
 
     key: str
@@ -110,6 +112,7 @@ class Problem:
     eval_every: int = 1
     note: str = ""
     settings: Mapping[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -131,6 +134,37 @@ class Problem:
     def setting(self, name: str, default: Any = None) -> Any:
         """``settings[name]``, or ``default`` when the problem does not set it."""
         return self.settings.get(name, default)
+
+    def on(self, device: str) -> Problem:
+        """The same problem with its data and models on ``device`` (``"cuda"``, ...).
+
+        The data are generated on the CPU and moved, and each model is built on the CPU
+        from the same seed and moved, so every device starts from the same weights.
+        """
+        if torch.device(device) == torch.device(self.device):
+            return self
+        make = self.make_model
+
+        def make_on_device() -> nn.Module:
+            return make().to(device)
+
+        def move(pair: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor] | None:
+            return None if pair is None else (pair[0].to(device), pair[1].to(device))
+
+        train = move(self.train)
+        assert train is not None
+        return replace(
+            self, train=train, test=move(self.test), make_model=make_on_device, device=device
+        )
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA GPU runs asynchronously).
+
+    A clock read without it on a GPU times the queueing of the kernels, not their work.
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class StepReport(NamedTuple):
@@ -382,6 +416,7 @@ def batches(problem: Problem, epoch: int) -> list[tuple[Tensor, Tensor]]:
     if problem.batch_size is None:
         return [(x, y)]
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1000 + epoch))
+    perm = perm.to(x.device)
     bs = problem.batch_size
     return [
         (x[perm[i : i + bs]], y[perm[i : i + bs]])
@@ -407,8 +442,10 @@ def train(
     elapsed, k, epoch, stop = 0.0, 0, 0, False
     while k < max_steps and not stop and elapsed < problem.budget_s:
         for xb, yb in batches(problem, epoch):
+            sync(problem.device)
             t0 = time.perf_counter()
             report = step(xb, yb)
+            sync(problem.device)
             dt = time.perf_counter() - t0
             elapsed += dt
             k += 1
@@ -596,6 +633,7 @@ def machine(families: Sequence[Family] = ()) -> dict[str, Any]:
         pass
     info: dict[str, Any] = {
         "cpu": cpu,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cores_visible": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),

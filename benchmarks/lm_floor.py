@@ -24,7 +24,7 @@ from torch import Tensor
 from secondorder import LevenbergMarquardt
 from secondorder.lm.linalg import gram_update
 
-from .core import Method, MethodResult, Problem, ProblemResult, batches, fmt_s
+from .core import Method, MethodResult, Problem, ProblemResult, batches, fmt_s, sync
 
 __all__ = ["LMView", "floor_markdown", "lm_internals", "measure_floor"]
 
@@ -59,19 +59,29 @@ def lm_internals(opt: LevenbergMarquardt) -> LMView:
     )
 
 
-def median_time(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call."""
+def median_time(fn: Callable[[], object], reps: int, device: str = "cpu") -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call.
+
+    Each call is timed from an idle ``device`` until its work there is done.
+    """
     fn()  # warm-up
     times = []
     for _ in range(reps):
+        sync(device)
         t0 = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def _syrk_time(shape: tuple[int, int], reps: int) -> float | None:
-    """``JᵀJ`` by BLAS ``ssyrk`` (half the flops of a general product), or None."""
+def _syrk_time(shape: tuple[int, int], reps: int, device: str) -> float | None:
+    """``JᵀJ`` by BLAS ``ssyrk`` (half the flops of a general product), or None.
+
+    None on a GPU too: torch has no symmetric rank-k product to call there.
+    """
+    if device != "cpu":
+        return None
     try:
         from scipy.linalg.blas import ssyrk
     except ImportError:  # pragma: no cover - scipy is a test dependency
@@ -96,6 +106,7 @@ def measure_floor(
 ) -> dict[str, Any]:
     """Time each stage of one LM step, and the hardware floor, on the first batch."""
     model = problem.make_model()
+    dev = problem.device
     x, y = batches(problem, 0)[0]
     slice_size = problem.setting("slice_size")
     opt = LevenbergMarquardt(model, residual_fn, **options)
@@ -115,7 +126,7 @@ def measure_floor(
 
     jacs = jac_all()
     m, n = sum(j.shape[0] for j in jacs), jacs[0].shape[1]
-    t_jac = median_time(jac_all, reps)
+    t_jac = median_time(jac_all, reps, dev)
 
     def gram() -> Tensor:
         if prob.form == "dual":
@@ -127,8 +138,8 @@ def measure_floor(
         assert g is not None
         return g
 
-    t_gram = median_time(gram, reps)
-    t_lin = median_time(lambda: prob.linearize(xv), reps)
+    t_gram = median_time(gram, reps, dev)
+    t_lin = median_time(lambda: prob.linearize(xv), reps, dev)
     system = prob.linearize(xv)
     d = view.damping_matrix.diagonal(
         system.col_sq if system.scale_sq is None else system.scale_sq, view.damping_state
@@ -139,21 +150,21 @@ def measure_floor(
     def factor_solve() -> None:
         prob.solver.factor(system, d).solve(lam, -system.grad, w)
 
-    t_solve = median_time(factor_solve, reps)
-    t_trial = median_time(lambda: prob.loss_sum(xv), reps)
+    t_solve = median_time(factor_solve, reps, dev)
+    t_trial = median_time(lambda: prob.loss_sum(xv), reps, dev)
     shape = (m, n) if prob.form != "dual" else (n, m)
-    j32 = torch.randn(shape)
-    t_gemm32 = median_time(lambda: j32.T @ j32, reps)
+    j32 = torch.randn(shape, device=dev)
+    t_gemm32 = median_time(lambda: j32.T @ j32, reps, dev)
     j64 = j32.double()
-    t_gemm64 = median_time(lambda: j64.T @ j64, reps)
-    t_syrk = _syrk_time(shape, reps)
+    t_gemm64 = median_time(lambda: j64.T @ j64, reps, dev)
+    t_syrk = _syrk_time(shape, reps, dev)
     fb_model = problem.make_model()
 
     def fwd_bwd() -> None:
         fb_model.zero_grad(set_to_none=True)
         problem.loss(fb_model(x), y).backward()
 
-    t_fb = median_time(fwd_bwd, reps)
+    t_fb = median_time(fwd_bwd, reps, dev)
     gemm_same = t_gemm64 if gdt == torch.float64 else t_gemm32
     # What the step itself spends on the normal matrix and its solution: the dual
     # Cholesky/eigh forms J D⁻¹Jᵀ inside ``factor``, and CG never forms a Gram.

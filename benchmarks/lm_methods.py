@@ -51,6 +51,7 @@ from .core import (
     fmt_s,
     machine,
     only_on,
+    sync,
     torch_optimizer,
 )
 from .lm_floor import describe, floor_markdown, measure_floors, stage_cell
@@ -262,6 +263,15 @@ def scipy_methods(problem: Problem) -> list[Method]:
     """scipy's ``"lm"`` and ``"trf"`` on the curve-fitting problems (none elsewhere)."""
     if not problem.setting("scipy", False):
         return []
+    if problem.device != "cpu":
+        return [
+            Method(
+                name=f"scipy least_squares ({name})",
+                family="peer",
+                skipped=f"scipy runs on the CPU; not part of a run on {problem.device}",
+            )
+            for name in ("lm", "trf")
+        ]
     return [
         Method(
             name=f"scipy least_squares ({name})",
@@ -461,8 +471,10 @@ def side_by_side(
             queue = batches(problem, epoch)
         x, y = queue.pop(0)
         for i in (0, 1) if k % 2 == 0 else (1, 0):
+            sync(problem.device)
             t0 = time.perf_counter()
             steppers[i](x, y)
+            sync(problem.device)
             times[i].append(time.perf_counter() - t0)
     ours_s, peer_s = statistics.median(times[0]), statistics.median(times[1])
     return {"steps": steps, "ours_s": ours_s, "peer_s": peer_s, "speedup": peer_s / ours_s}
@@ -535,10 +547,12 @@ def issue17_lines(results: Sequence[ProblemResult]) -> list[str]:
         return []
     now = datetime.datetime.now(datetime.timezone.utc)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    info, device = machine(), results[0].problem.device
+    where = info["cpu"] if device == "cpu" else f"{info['gpu']} ({device}), host {info['cpu']}"
     lines = [
         "## Issue 17: secondorder LM (defaults) against torch-levenberg-marquardt",
         "",
-        f"{now:%Y-%m-%d %H:%M} UTC on {machine()['cpu']}, {torch.get_num_threads()} torch "
+        f"{now:%Y-%m-%d %H:%M} UTC on {where}, {torch.get_num_threads()} torch "
         f"threads, load average {load:.2f} at the end of the run.",
         "",
         "| problem | measure | this run | target | met |",

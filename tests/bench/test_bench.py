@@ -183,3 +183,34 @@ def test_json_holds_comparisons(tiny_run: dict[str, object]) -> None:
         # torch-levenberg-marquardt did not run in this fixture.
         assert problem["comparisons"][0]["step_speedup_vs_tlm"] is None
     assert data["flop_scaling"] == []
+
+
+def test_json_names_the_device(tiny_run: dict[str, object]) -> None:
+    data = tiny_run["json"]
+    assert isinstance(data, dict)
+    assert data["machine"]["device"] == "cpu"
+    assert "--device" not in data["command"]
+
+
+@pytest.mark.parametrize(
+    ("device", "why"),
+    [("gpu", "not a device torch knows"), ("meta", "runs on cpu or cuda")],
+)
+def test_bad_device_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], device: str, why: str
+) -> None:
+    assert bench.run_bench(_args(tmp_path, "--device", device)) == 2
+    assert why in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cuda_without_a_gpu_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    assert bench.run_bench(_args(tmp_path, "--device", "cuda")) == 2
+    assert "sees no CUDA GPU; use --device cpu" in capsys.readouterr().err
+
+
+def test_a_problem_moved_to_its_own_device_is_itself() -> None:
+    problem = bench.build_problems(tiny=True, keys=["sinc"])["sinc"]
+    assert problem.on("cpu") is problem

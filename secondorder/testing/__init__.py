@@ -1,8 +1,9 @@
 """Test support shipped with secondorder: run a function on real ``torch.distributed`` ranks.
 
 :func:`run_ranks` starts ``world`` fresh Python processes on this machine, joins them
-in a gloo process group and calls one importable function on every rank; it returns
-what each rank returned, or raises :class:`RankError` naming the rank that failed.
+in a gloo process group (NCCL with ``backend="nccl"``) and calls one importable
+function on every rank; it returns what each rank returned, or raises
+:class:`RankError` naming the rank that failed.
 The LM, K-FAC and Shampoo tests compare these results with a single-process run on
 the concatenated batch.
 """

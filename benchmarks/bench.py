@@ -49,6 +49,8 @@ from .core import (
     finite_or_none,
     machine,
     plot,
+    resolve_device,
+    where,
 )
 from .core import ProblemResult as CoreProblemResult
 from .core import markdown as core_markdown
@@ -207,7 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.floor_reps < 1:
         print(f"--floor-reps must be >= 1, got {args.floor_reps}", file=sys.stderr)
         return 2
-    device = _device(args.device)
+    device = resolve_device(args.device)
     if device is None:
         return 2
     torch.set_num_threads(args.threads)
@@ -218,10 +220,10 @@ def run_bench(args: argparse.Namespace) -> int:
     problems = {k: p.on(device) for k, p in problems.items()}
     info = machine(fams)
     info["device"] = device
-    where = info["cpu"] if device == "cpu" else f"{info['gpu']} ({device}), host {info['cpu']}"
+    host = where(info, device)
     started = datetime.datetime.now(datetime.timezone.utc)
     command = _command(args)
-    print(f"bench on {where}, {info['threads']} threads, torch {info['torch']}")
+    print(f"bench on {host}, {info['threads']} threads, torch {info['torch']}")
     results = []
     for key in args.problems:
         problem = problems[key]
@@ -236,7 +238,7 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     header = (
         f"# secondorder bench ({'tiny' if args.tiny else 'quick' if args.quick else 'full'})\n\n"
-        f"{started:%Y-%m-%d %H:%M} UTC; {where}, {info['cores_visible']} cores visible, "
+        f"{started:%Y-%m-%d %H:%M} UTC; {host}, {info['cores_visible']} cores visible, "
         f"{info['threads']} torch threads; torch {info['torch']}, Python {info['python']}; "
         f"{peers}.\n"
         f"Command: `{command}`. Times are the optimizer's own (curve evaluations excluded)."
@@ -281,24 +283,6 @@ def run_bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text)
         print(f"wrote {args.json}")
     return 0
-
-
-def _device(name: str) -> str | None:
-    """``--device`` as torch spells it, or None (with the reason printed) if unusable."""
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        print(
-            f"--device {name!r} is not a device torch knows ({e}); try cpu or cuda", file=sys.stderr
-        )
-        return None
-    if dev.type not in ("cpu", "cuda"):
-        print(f"--device {name!r}: the benchmark runs on cpu or cuda", file=sys.stderr)
-        return None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        print(f"--device {name!r}: this torch sees no CUDA GPU; use --device cpu", file=sys.stderr)
-        return None
-    return str(dev)
 
 
 def _command(args: argparse.Namespace) -> str:

@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -56,11 +57,13 @@ __all__ = [
     "markdown",
     "only_on",
     "plot",
+    "resolve_device",
     "run_method",
     "run_problem",
     "sync",
     "torch_optimizer",
     "train",
+    "where",
 ]
 
 #: ``"regression"``: the target is a training loss to go below; ``"classification"``:
@@ -643,6 +646,29 @@ def machine(families: Sequence[Family] = ()) -> dict[str, Any]:
     for f in families:
         info.update(f.versions())
     return info
+
+
+def resolve_device(name: str) -> str | None:
+    """A ``--device`` as torch spells it, or None (the reason printed) if unusable."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        print(
+            f"--device {name!r} is not a device torch knows ({e}); try cpu or cuda", file=sys.stderr
+        )
+        return None
+    if dev.type not in ("cpu", "cuda"):
+        print(f"--device {name!r}: the benchmark runs on cpu or cuda", file=sys.stderr)
+        return None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(f"--device {name!r}: this torch sees no CUDA GPU; use --device cpu", file=sys.stderr)
+        return None
+    return str(dev)
+
+
+def where(info: Mapping[str, Any], device: str) -> str:
+    """The machine a run's numbers come from: the CPU, or the GPU and its host."""
+    return info["cpu"] if device == "cpu" else f"{info['gpu']} ({device}), host {info['cpu']}"
 
 
 def finite_or_none(obj: Any) -> Any:

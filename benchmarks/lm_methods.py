@@ -53,6 +53,7 @@ from .core import (
     only_on,
     sync,
     torch_optimizer,
+    where,
 )
 from .lm_floor import describe, floor_markdown, measure_floors, stage_cell
 from .lm_problems import PROBLEMS, build_problems, lm_problem, make_problem
@@ -263,21 +264,18 @@ def scipy_methods(problem: Problem) -> list[Method]:
     """scipy's ``"lm"`` and ``"trf"`` on the curve-fitting problems (none elsewhere)."""
     if not problem.setting("scipy", False):
         return []
-    if problem.device != "cpu":
-        return [
-            Method(
-                name=f"scipy least_squares ({name})",
-                family="peer",
-                skipped=f"scipy runs on the CPU; not part of a run on {problem.device}",
-            )
-            for name in ("lm", "trf")
-        ]
+    skipped = (
+        ""
+        if problem.device == "cpu"
+        else (f"scipy runs on the CPU; not part of a run on {problem.device}")
+    )
     return [
         Method(
             name=f"scipy least_squares ({name})",
             family="peer",
             settings="float64, torch autograd Jacobian, x_scale=1, default tolerances",
-            run=functools.partial(_run_scipy_into, name),
+            run=None if skipped else functools.partial(_run_scipy_into, name),
+            skipped=skipped,
         )
         for name in ("lm", "trf")
     ]
@@ -547,12 +545,11 @@ def issue17_lines(results: Sequence[ProblemResult]) -> list[str]:
         return []
     now = datetime.datetime.now(datetime.timezone.utc)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
-    info, device = machine(), results[0].problem.device
-    where = info["cpu"] if device == "cpu" else f"{info['gpu']} ({device}), host {info['cpu']}"
+    host = where(machine(), results[0].problem.device)
     lines = [
         "## Issue 17: secondorder LM (defaults) against torch-levenberg-marquardt",
         "",
-        f"{now:%Y-%m-%d %H:%M} UTC on {where}, {torch.get_num_threads()} torch "
+        f"{now:%Y-%m-%d %H:%M} UTC on {host}, {torch.get_num_threads()} torch "
         f"threads, load average {load:.2f} at the end of the run.",
         "",
         "| problem | measure | this run | target | met |",

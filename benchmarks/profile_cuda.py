@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .core import Problem, Stepper, batches, sync
+from .core import Problem, Stepper, batches, resolve_device, sync
 from .lm_methods import lm_method, tlm_method
 from .lm_problems import make_problem
 
@@ -86,18 +86,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
-    cuda = torch.device(args.device).type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print(f"--device {args.device!r}: this torch sees no CUDA GPU", file=sys.stderr)
+    device = resolve_device(args.device)
+    if device is None:
         return 2
-    where = torch.cuda.get_device_name() if cuda else "the CPU (no kernels: a dry run)"
-    print(f"# LM steps on {where} (torch {torch.__version__})\n")
+    cuda = device != "cpu"
+    name = torch.cuda.get_device_name(device) if cuda else "the CPU (no kernels: a dry run)"
+    print(f"# LM steps on {name} (torch {torch.__version__})\n")
     for key in args.problems:
-        problem = make_problem(key, "quick").on(args.device)
+        problem = make_problem(key, "quick").on(device)
         data = batches(problem, 0)[: args.warm + args.steps]
         print(f"## {key}: {problem.title}\n")
-        for name, step in _steppers(problem):
-            print(profile_one(name, step, data, args.device, args.steps, args.warm, args.top))
+        for label, step in _steppers(problem):
+            print(profile_one(label, step, data, device, args.steps, args.warm, args.top))
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 
 import secondorder as so
 
-from .core import sync
+from .core import resolve_device, sync
 from .lm_problems import make_problem
 
 PERTURBATIONS = (0.0, 1e-7, -1e-7, 3e-7)
@@ -63,16 +63,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        print(f"--device {args.device!r}: this torch sees no CUDA GPU", file=sys.stderr)
+    device = resolve_device(args.device)
+    if device is None:
         return 2
     torch.set_num_threads(args.threads)
-    where = torch.cuda.get_device_name() if args.device != "cpu" else "the CPU"
-    print(f"sinc from perturbed starts on {where}, {args.threads} torch threads\n")
+    name = torch.cuda.get_device_name(device) if device != "cpu" else "the CPU"
+    print(f"sinc from perturbed starts on {name}, {args.threads} torch threads\n")
     print("| start scaled by 1 + ε | to MSE 1e-6 | MSE at the end | mean step |")
     print("|---:|---|---:|---:|")
     for eps in PERTURBATIONS:
-        print(run(args.device, eps, args.steps), flush=True)
+        print(run(device, eps, args.steps), flush=True)
     return 0
 
 

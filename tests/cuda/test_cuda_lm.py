@@ -11,7 +11,6 @@ that cross between the devices.
 from __future__ import annotations
 
 import copy
-import io
 from typing import Any
 
 import pytest
@@ -30,6 +29,7 @@ from cuda_cases import (
 from torch import nn
 
 import secondorder as so
+from tests.lm.test_checkpoint import roundtrip
 
 pytestmark = pytest.mark.cuda
 
@@ -172,14 +172,6 @@ def test_fit_on_the_device_equals_the_cpu_loop(device: torch.device) -> None:
 
 
 # -- checkpoints between the devices ----------------------------------------------------
-
-
-def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    loaded: dict[str, Any] = torch.load(buf, weights_only=True)
-    return loaded
 
 
 @pytest.mark.parametrize("direction", ["device-to-cpu", "cpu-to-device"])

@@ -2,8 +2,10 @@
 
 Each case runs in a fresh interpreter (the thresholds are process state, and this
 one has long since freed large blocks) and counts the page faults (``ru_minflt``)
-of ten full-batch LM steps on a sinc fit of 20,000 points, whose step allocates
-and frees activations and gradients of 5 MB each.
+of each of eleven full-batch LM steps on a sinc fit of 20,000 points, whose step
+allocates and frees activations and gradients of 5 MB each.  With the thresholds
+raised, about one run in six has one step that faults in a 5 MB block once (a
+buffer of a new size); the other steps fault 0-3 times.
 """
 
 from __future__ import annotations
@@ -40,22 +42,25 @@ STEPS = textwrap.dedent(
     opt = LevenbergMarquardt(model)
     for _ in range(5):
         opt.step(x, y)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(10):
+    faults = []
+    for _ in range(11):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         opt.step(x, y)
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(*faults)
     """
 )
 
 
-def faults_per_step(how: str) -> float:
+def faults_per_step(how: str) -> list[int]:
+    """Each step's page faults, in a fresh interpreter."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
         [sys.executable, "-c", STEPS, how], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
-    return float(done.stdout.strip().splitlines()[-1])
+    return [int(v) for v in done.stdout.strip().splitlines()[-1].split()]
 
 
 def test_a_cpu_optimizer_keeps_its_steps_temporaries_mapped():
@@ -64,8 +69,10 @@ def test_a_cpu_optimizer_keeps_its_steps_temporaries_mapped():
     Without it (measured: 370-4,500 a step, varying from run to run with where the
     blocks land) each step faults in much of its 5 MB tensors again.
     """
-    assert faults_per_step("skipped") > 100
-    assert faults_per_step("built") < 20
+    low = faults_per_step("skipped")
+    assert sum(low) / len(low) > 100, low
+    raised = faults_per_step("built")
+    assert sum(f > 20 for f in raised) <= 1, raised
 
 
 def test_the_thresholds_are_raised_once_per_process():

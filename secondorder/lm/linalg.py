@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._lapack import shifted_cholesky_solve
 from .kfac_cg import KroneckerStats
 from .precision import DualFloorCheck
 
@@ -475,10 +476,7 @@ class _CholeskyPrimal(Factorization):
         self.d = d.to(gram.dtype)
 
     def _solve(self, damping: float, b: Tensor) -> tuple[Tensor, Tensor]:
-        m = self.gram.clone()
-        m.diagonal().add_(damping * self.d)
-        L, info = torch.linalg.cholesky_ex(m)
-        return torch.cholesky_solve(b.to(m.dtype).unsqueeze(-1), L).squeeze(-1), info
+        return shifted_cholesky_solve(self.gram, damping * self.d, b)
 
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
         x, info = self._solve(damping, b)
@@ -506,10 +504,7 @@ class _CholeskyDual(Factorization):
 
     def _solve(self, damping: float, w: Tensor | None) -> tuple[Tensor, Tensor]:
         w = _require_w(w, "dual cholesky")
-        m = self.k.clone()
-        m.diagonal().add_(damping)
-        L, info = torch.linalg.cholesky_ex(m)
-        y = torch.cholesky_solve(w.to(m.dtype).unsqueeze(-1), L).squeeze(-1)
+        y, info = shifted_cholesky_solve(self.k, damping, w)
         return self.rows.step(y), info
 
     def image(self) -> Tensor | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._lapack import factor_size, pad_identity
 from .config import CoupledNewtonConfig, EigenConfig, RootInvConfig
 from .root_inverse import (
     batched_eigh,
@@ -184,8 +185,10 @@ class RootInversePreconditioner(Preconditioner):
             if self.is_factored(k):
                 # The layout was chosen for eigh (config switched after the state was
                 # built): with the Cholesky factor R = LLᵀ, D = Lᵀ has R = DᵀD.
-                L, info = torch.linalg.cholesky_ex(X)
-                X, failed = L.mT, failed | (info != 0)
+                n = X.shape[-1]
+                size = factor_size(n, X.dtype, X.device)
+                L, info = torch.linalg.cholesky_ex(pad_identity(X, size))
+                X, failed = L[..., :n, :n].mT, failed | (info != 0)
             return X, failed
         assert isinstance(cfg, EigenConfig)
         return eigh_root_inverse(

@@ -125,6 +125,21 @@ def test_solver_matches_dense_solve(solver_name, kind, m, n):
             assert rel_err(delta, expected) <= 1e-10, (solver_name, kind, lam)
 
 
+@pytest.mark.parametrize(("m", "n", "kind"), [(300, 256, "gram"), (256, 300, "dual")])
+def test_cholesky_at_a_padded_order_matches_dense_solve(m, n, kind):
+    # 256 float64 columns are factored inside a larger identity-padded matrix
+    # (secondorder._lapack); the step must be the one of the 256 x 256 system.
+    J, r = conditioned_jacobian(m, n, cond=100.0, seed=7)
+    d = damping_diagonal(n, seed=8)
+    w = -r
+    b = J.T @ w
+    fact = make_solver("cholesky").factor(record(J, r, kind), d)
+    for lam in LAMBDAS:
+        delta = fact.solve(lam, b, w)
+        assert delta is not None and delta.shape == (n,)
+        assert rel_err(delta, reference_solve(J, lam, d, b)) <= 1e-10, lam
+
+
 @pytest.mark.parametrize("kind", ["gram", "jac"])
 def test_cg_with_a_loose_tolerance_is_accurate_to_that_tolerance(kind):
     J, r = conditioned_jacobian(60, 20, cond=30.0, seed=3)

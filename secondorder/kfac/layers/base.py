@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..._lapack import factor_size, pad_identity
+
 __all__ = ["KFACLayer", "KroneckerLayer"]
 
 
@@ -205,18 +207,9 @@ def sym_eigh(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 def _pad_identity(m: Tensor) -> Tensor:
-    # LAPACK's Cholesky and inverse ran ~15% faster at n = 1296 than at n = 1281
-    # (1280 inputs and the bias; measured, MKL, one thread).  blockdiag(m, I) has the
-    # factor blockdiag(chol m, I) and the inverse blockdiag(m⁻¹, I): its top-left block
-    # is the answer.  Only large odd sizes are padded: that is where it was measured.
-    n = m.shape[-1]
-    if n < 512 or n % 16 == 0:
-        return m
-    w = -(-n // 16) * 16
-    out = m.new_zeros(*m.shape[:-2], w, w)
-    out[..., :n, :n] = m
-    out.diagonal(dim1=-2, dim2=-1)[..., n:] = 1.0
-    return out
+    # blockdiag(m, I) at a size LAPACK handles quickly (secondorder._lapack): its
+    # factor is blockdiag(chol m, I) and its inverse blockdiag(m⁻¹, I).
+    return pad_identity(m, factor_size(m.shape[-1], m.dtype, m.device))
 
 
 def spd_inverse(m: Tensor) -> Tensor:

@@ -362,6 +362,11 @@ def _user_jacobian(
                     f"jac returned shape {tuple(J.shape)}; expected (m, n) = ({m}, {n}) "
                     "(residuals by parameters)"
                 )
+        if J.device != x.device:
+            raise ValueError(
+                f"jac returned a Jacobian on {J.device} for x on {x.device}: return it "
+                "on x's device (.to(x.device))"
+            )
         return J.to(torch.float64)
 
     return user_jac

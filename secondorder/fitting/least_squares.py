@@ -514,6 +514,12 @@ def _build_problem(
     probe, numpy_fun = _probe(counter, args, kwargs, x_eval, numpy_in, autodiff=autodiff)
     residuals = residual_function(counter, args, kwargs, numpy_fun=numpy_fun)
     f0 = flat_residuals(probe, numpy_fun=numpy_fun).detach()
+    if f0.device != x_eval.device:
+        raise ValueError(
+            f"fun returned residuals on {f0.device} for x0 on {x_eval.device}: the fit "
+            "runs where x0 is, so return the residuals there (pass x0 on the residuals' "
+            "device, or move them with .to(x.device) inside fun)"
+        )
     m, n = f0.numel(), x_eval.numel()
     if m == 0:
         raise ValueError("fun returned no residuals at x0")

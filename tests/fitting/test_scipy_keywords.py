@@ -430,6 +430,17 @@ def test_bad_keywords_are_refused_with_a_message(
         least_squares(_f, _X, **options)
 
 
+def test_residuals_and_jacobian_on_another_device_than_x0_are_refused() -> None:
+    # The meta device stands for a GPU (differences: autograd cannot probe meta values):
+    # a fun that moves its result elsewhere is named before any step, rather than
+    # failing inside torch with a device mismatch.
+    x0 = torch.zeros(2, dtype=F64)
+    with pytest.raises(ValueError, match=r"fun returned residuals on meta for x0 on cpu"):
+        least_squares(lambda x: (x - 1).to("meta"), x0, jac="2-point")
+    with pytest.raises(ValueError, match=r"jac returned a Jacobian on meta for x on cpu"):
+        least_squares(lambda x: x - 1, x0, jac=lambda x: torch.eye(2, dtype=F64, device="meta"))
+
+
 def test_lm_refuses_fewer_residuals_than_variables() -> None:
     with pytest.raises(ValueError, match=r"number of residuals \(1\) is less than.*\(2\)"):
         least_squares(lambda x: x[:1], _X, method="lm")

@@ -51,6 +51,7 @@ from .core import (
     fmt_s,
     machine,
     only_on,
+    settled_heap,
     sync,
     torch_optimizer,
     where,
@@ -459,21 +460,25 @@ def side_by_side(
     peer = next((m for m in methods if m.name.startswith("torch-levenberg")), None)
     if ours is None or peer is None or ours.make is None or peer.make is None:
         return None
-    steppers = [ours.make(problem, problem.make_model()), peer.make(problem, problem.make_model())]
-    times: list[list[float]] = [[], []]
-    steps = min(steps, problem.max_steps)
-    epoch, queue = 0, batches(problem, 0)
-    for k in range(steps):
-        if not queue:
-            epoch += 1
-            queue = batches(problem, epoch)
-        x, y = queue.pop(0)
-        for i in (0, 1) if k % 2 == 0 else (1, 0):
-            sync(problem.device)
-            t0 = time.perf_counter()
-            steppers[i](x, y)
-            sync(problem.device)
-            times[i].append(time.perf_counter() - t0)
+    with settled_heap():
+        steppers = [
+            ours.make(problem, problem.make_model()),
+            peer.make(problem, problem.make_model()),
+        ]
+        times: list[list[float]] = [[], []]
+        steps = min(steps, problem.max_steps)
+        epoch, queue = 0, batches(problem, 0)
+        for k in range(steps):
+            if not queue:
+                epoch += 1
+                queue = batches(problem, epoch)
+            x, y = queue.pop(0)
+            for i in (0, 1) if k % 2 == 0 else (1, 0):
+                sync(problem.device)
+                t0 = time.perf_counter()
+                steppers[i](x, y)
+                sync(problem.device)
+                times[i].append(time.perf_counter() - t0)
     ours_s, peer_s = statistics.median(times[0]), statistics.median(times[1])
     return {"steps": steps, "ours_s": ours_s, "peer_s": peer_s, "speedup": peer_s / ours_s}
 

@@ -214,3 +214,17 @@ def test_cuda_without_a_gpu_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
 def test_a_problem_moved_to_its_own_device_is_itself() -> None:
     problem = bench.build_problems(tiny=True, keys=["sinc"])["sinc"]
     assert problem.on("cpu") is problem
+
+
+def test_settled_heap_freezes_the_harness_only_while_a_method_runs():
+    import gc
+
+    from benchmarks.core import settled_heap
+
+    assert gc.get_freeze_count() == 0
+    with settled_heap():
+        assert gc.get_freeze_count() > 0  # everything alive before the method
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), settled_heap():
+        raise RuntimeError("a method that fails")
+    assert gc.get_freeze_count() == 0  # handed back to the collector all the same

@@ -14,9 +14,9 @@ it to the next linearisation only if nothing that pass depends on has changed:
 * the model: the same modules, each of a type whose forward depends on nothing but its
   parameters and plain settings (:data:`PLAIN_MODULES`, exact types), with the same
   settings and training flags, and no buffers, frozen parameters or hooks;
-* the backend switches that choose kernels (matmul precision, TF32, mkldnn, cudnn,
-  deterministic algorithms), the active torch function and dispatch modes, and no
-  autocast.
+* the backend switches that choose kernels (matmul precision, TF32, the per-backend
+  float32 precisions of torch's newer API, mkldnn, cudnn, deterministic algorithms),
+  the active torch function and dispatch modes, and no autocast.
 
 The values are compared on the device and read with the loss (no host read of their
 own); where they differ, the linearisation starts again without the pass.  The
@@ -89,19 +89,54 @@ def _no_global_hooks() -> bool:
     return not any(getattr(module, name, None) for name in names)
 
 
+#: Where torch keeps the per-backend float32 precisions of its newer API (torch 2.9
+#: on), read where they exist: ``fp32_precision`` of each of these namespaces.
+_PRECISION_PATHS = (
+    "",
+    "cuda.matmul",
+    "cudnn",
+    "cudnn.conv",
+    "cudnn.rnn",
+    "mkldnn",
+    "mkldnn.matmul",
+    "mkldnn.conv",
+    "mkldnn.rnn",
+)
+
+
+def _read(name: str) -> Any:
+    """One switch of ``torch.backends`` (``"cuda.matmul.allow_tf32"``), or a marker.
+
+    torch refuses to report some legacy switches once the newer precision API has
+    set one (``get_float32_matmul_precision`` and ``cuda.matmul.allow_tf32`` raise
+    then); the newer switches are read as well, so the state is still compared.
+    """
+    obj: Any = torch.backends
+    try:
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (AttributeError, RuntimeError):
+        return "unreadable"
+    return obj
+
+
 def _backend_flags() -> tuple[Any, ...]:
     """Global switches that choose the kernels a forward pass runs."""
-    cudnn = torch.backends.cudnn
+    try:
+        matmul = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the legacy and the newer precision API were both used
+        matmul = "unreadable"
     return (
-        torch.get_float32_matmul_precision(),
-        torch.backends.mkldnn.enabled,
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        cudnn.enabled,
-        cudnn.allow_tf32,
-        cudnn.deterministic,
-        cudnn.benchmark,
+        matmul,
+        *(_read(f"{path}.fp32_precision".lstrip(".")) for path in _PRECISION_PATHS),
+        _read("mkldnn.enabled"),
+        _read("cuda.matmul.allow_tf32"),
+        _read("cuda.matmul.allow_fp16_reduced_precision_reduction"),
+        _read("cuda.matmul.allow_bf16_reduced_precision_reduction"),
+        _read("cudnn.enabled"),
+        _read("cudnn.allow_tf32"),
+        _read("cudnn.deterministic"),
+        _read("cudnn.benchmark"),
         torch.are_deterministic_algorithms_enabled(),
     )
 

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from unchanged import same_state, state_of
 
 import secondorder as so
-from secondorder.lm.carry import model_state
+from secondorder.lm.carry import _backend_flags, model_state
 
 
 class _Reference(nn.Sequential):
@@ -184,6 +184,13 @@ def _backend_flag(run: dict[str, Any], first: bool) -> None:
         torch.backends.mkldnn.enabled = not torch.backends.mkldnn.enabled
 
 
+def _precision_switch(run: dict[str, Any], first: bool) -> None:
+    # torch's newer precision API (2.9 on): float32 matmuls in bfloat16 from here on.
+    # With it set, torch refuses to report the legacy matmul precision at all.
+    if first:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+
+
 CHANGES: dict[str, Callable[[dict[str, Any], bool], None]] = {
     "inputs changed in place": _change_inputs_in_place,
     "new input tensors, same values": _new_inputs_same_values,
@@ -198,6 +205,7 @@ CHANGES: dict[str, Callable[[dict[str, Any], bool], None]] = {
     "eval mode": _eval_mode,
     "inputs resized through .data": _resize_through_data,
     "a backend flag": _backend_flag,
+    "a newer precision switch": _precision_switch,
 }
 
 
@@ -205,6 +213,7 @@ CHANGES: dict[str, Callable[[dict[str, Any], bool], None]] = {
 def test_a_change_between_steps_drops_the_kept_pass(change: str) -> None:
     x, y = _sinc()
     mkldnn = torch.backends.mkldnn.enabled
+    precision = torch.backends.mkldnn.matmul.fp32_precision
     runs = []
     for cls in (nn.Sequential, _Reference):
         model = _net(cls, [1, 16, 1], lambda: nn.LeakyReLU(0.1))
@@ -240,6 +249,7 @@ def test_a_change_between_steps_drops_the_kept_pass(change: str) -> None:
         assert passes_k == passes_p  # linearised anew, as the reference was
     finally:
         torch.backends.mkldnn.enabled = mkldnn
+        torch.backends.mkldnn.matmul.fp32_precision = precision
         for run in runs:
             for handle in run["handles"]:
                 handle.remove()
@@ -389,3 +399,18 @@ def test_a_function_mode_entered_between_steps_drops_the_kept_pass() -> None:
             infos.append(opt.step(x, y))
     assert (infos[0].loss, infos[0].attempts) == (infos[1].loss, infos[1].attempts)
     assert _same(kept, plain)
+
+
+def test_the_newer_precision_switches_are_part_of_the_state() -> None:
+    # Once the newer API has set a precision, the legacy getters raise; the state
+    # still tells one newer setting from another.
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        as_bf16 = _backend_flags()
+        torch.backends.mkldnn.matmul.fp32_precision = "tf32"
+        assert _backend_flags() != as_bf16
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        assert _backend_flags() == as_bf16
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before

@@ -60,7 +60,7 @@ from .planner import (
     available_range,
     plan_memory,
 )
-from .precision import DualFloorCheck, GramPrecision
+from .precision import DualFloorCheck, GramPrecision, reduced_float32_products
 from .problem import BatchSetup, raise_if_failed
 from .sharded import BroadcastSolver, ShardedCGSolver
 
@@ -228,16 +228,31 @@ class Choices:
         """Whether the Gram's dtype is chosen per iteration (``gram_dtype="auto"``, float32)."""
         return self.precision.varies(self.function.params[0].dtype)
 
+    def float32_products_certified(self) -> bool:
+        """Whether float32 products keep float32's rounding where slices are computed.
+
+        Not under TF32 (:func:`~secondorder.lm.precision.reduced_float32_products`):
+        read at every iteration, since the switch is global and may change between
+        steps.  Where it fails, ``"auto"`` forms every normal matrix in float64.
+        """
+        return not reduced_float32_products(self.function.group.devices)
+
     def primal_gram_dtype(self, damping: float, m_total: int) -> torch.dtype:
         """The primal Gram's dtype for an iteration starting at λ = ``damping``."""
+        if not self.float32_products_certified():
+            return torch.float64
         return self.precision.choose(self.function.params[0].dtype, damping, m_total)
 
     def primal_gram_chunk(self, damping: float, m_total: int) -> int | None:
         """Rows per float32 product of a float64 primal Gram at λ = ``damping`` (or None)."""
+        if not self.float32_products_certified():
+            return None
         return self.precision.chunk_rows(self.function.params[0].dtype, damping, m_total)
 
     def dual_gram_dtype(self, damping: float, scale: float) -> torch.dtype:
         """The dual matrix's dtype at λ = ``damping`` and mean diagonal ``scale``."""
+        if not self.float32_products_certified():
+            return torch.float64
         dtype = self.function.params[0].dtype
         return self.precision.choose(dtype, damping, self.function.n, scale)
 

@@ -494,7 +494,11 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             scale = math.inf if scale is None else scale
             dual_dtype = self._choices.dual_gram_dtype(self._damping.damping, scale)
             set_solver_dtype(setup.solver, dual_dtype)
-            if dual_dtype == torch.float64 and math.isfinite(scale):
+            if (
+                dual_dtype == torch.float64
+                and math.isfinite(scale)
+                and self._choices.float32_products_certified()
+            ):
                 # λ alone asks for float64; the float32 matrix may still be exact
                 # enough when its rows are independent (checked on the matrix).
                 set_dual_check(

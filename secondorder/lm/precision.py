@@ -52,6 +52,11 @@ it when one float64 factorisation proves ``λ_min(M) ≥ ε̃/tol`` (:class:`Dua
 with ``ε̃ = u·(4√n + m)``: four times the measured product error plus the float32
 factorisation's own); otherwise it forms K in float64 as asked.
 
+Every bound above assumes float32 products round as float32 does.  Under TF32 (a CUDA
+matmul mode: inputs rounded to 10 mantissa bits) they do not, so where
+:func:`reduced_float32_products` finds it on, ``"auto"`` forms every normal matrix in
+float64, with no float32 chunks or dual check.
+
 The rule needs ``D ≥ diag(JᵀJ)``, which holds for the ``"marquardt"`` and ``"more"``
 damping matrices; with ``"identity"`` λ carries the units of ``JᵀJ`` and ``"auto"``
 keeps float64.  Parameters in float64 (or any dtype other than float32) also keep
@@ -61,14 +66,22 @@ float64: the saving exists only when the model's own arithmetic is float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._lapack import factor_size, pad_identity
 
-__all__ = ["MIN_CHUNK_ROWS", "DualFloorCheck", "GramPrecision", "floor_holds"]
+__all__ = [
+    "MIN_CHUNK_ROWS",
+    "DualFloorCheck",
+    "GramPrecision",
+    "floor_holds",
+    "reduced_float32_products",
+]
 
 _U32 = float(torch.finfo(torch.float32).eps) / 2.0
 _U64 = float(torch.finfo(torch.float64).eps) / 2.0
@@ -77,6 +90,32 @@ _TINY32 = float(torch.finfo(torch.float32).tiny)
 #: The fewest rows of a float32 product that a float64 Gram is summed from
 #: (:meth:`GramPrecision.chunk_rows`); below it the products cost more than float64.
 MIN_CHUNK_ROWS = 512
+
+
+def reduced_float32_products(devices: Sequence[torch.device]) -> bool:
+    """Whether float32 matrix products on any of ``devices`` may run as TensorFloat-32.
+
+    TF32 rounds each input of a CUDA float32 product to 10 mantissa bits (unit
+    roundoff 2⁻¹¹ where float32 has 2⁻²⁴), so the float32 error the ``"auto"`` rule
+    certifies no longer bounds a float32 normal matrix, nor the float32 row products
+    a chunked float64 Gram is summed from.  TF32 is on where torch's newer API says
+    ``"tf32"`` for CUDA matmuls (``torch.backends.cuda.matmul.fp32_precision``, else
+    the global ``torch.backends.fp32_precision``), or, where that says nothing, where
+    the legacy switch allows it (``torch.set_float32_matmul_precision("high")`` or
+    ``"medium"``, ``torch.backends.cuda.matmul.allow_tf32 = True``).
+    """
+    if not any(torch.device(d).type == "cuda" for d in devices):
+        return False
+    backends: Any = torch.backends
+    newer = getattr(backends.cuda.matmul, "fp32_precision", "none")
+    if newer == "none":
+        newer = getattr(backends, "fp32_precision", "none")
+    if newer != "none":
+        return bool(newer == "tf32")
+    try:
+        return bool(torch.get_float32_matmul_precision() != "highest")
+    except RuntimeError:  # the legacy and newer APIs were both used: assume the worst
+        return True
 
 
 @dataclass(frozen=True)

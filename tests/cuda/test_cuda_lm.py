@@ -115,6 +115,27 @@ def test_float32_defaults_follow_the_cpu_trajectory(device: torch.device) -> Non
     assert "float32" in {r["gram_dtype"] for r in ref["records"]}, ref["records"]
 
 
+def test_tf32_makes_auto_form_every_normal_matrix_in_float64(device: torch.device) -> None:
+    """TF32 rounds a CUDA float32 product's inputs to 10 bits: nothing ``"auto"`` can
+    certify, so every Gram is float64 there, and the run follows the CPU's float32
+    run as closely as the plain float32 run does.  On the CPU the switch changes
+    nothing."""
+    ref = run("cpu", {}, PRIMAL, dtype=torch.float32)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        got = run(device, {}, PRIMAL, dtype=torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    dtypes = {r["gram_dtype"] for r in got["records"]}
+    expected = {"float64"} if device.type == "cuda" else {r["gram_dtype"] for r in ref["records"]}
+    assert "float32" in {r["gram_dtype"] for r in ref["records"]}
+    assert dtypes == expected, dtypes
+    for step, (a, b) in enumerate(zip(got["records"], ref["records"], strict=True)):
+        rel = abs(a["loss"] - b["loss"]) / b["loss"]
+        assert a["accepted"] and rel <= 1e-3, f"step {step}: {a!r} against {b!r}"
+
+
 # -- the classifier defaults on mini-batches --------------------------------------------
 
 

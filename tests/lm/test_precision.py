@@ -16,7 +16,12 @@ from torch.func import functional_call, jacrev, vmap
 
 import secondorder as so
 from secondorder.lm.linalg import symmetric_product
-from secondorder.lm.precision import DualFloorCheck, GramPrecision, floor_holds
+from secondorder.lm.precision import (
+    DualFloorCheck,
+    GramPrecision,
+    floor_holds,
+    reduced_float32_products,
+)
 
 U32 = torch.finfo(torch.float32).eps / 2
 
@@ -493,3 +498,37 @@ def test_auto_dual_keeps_float64_where_rows_are_dependent() -> None:
     assert info.gram_dtype == "float64"
     info64, ref64, _ = _dual_step(torch.float64, duplicated=True)
     assert torch.equal(after, ref64) and info.loss == info64.loss
+
+
+@pytest.fixture
+def matmul_switches():
+    """Restores torch's global float32 matmul switches after a test sets them."""
+    backends = torch.backends
+    saved = (
+        torch.get_float32_matmul_precision(),
+        backends.cuda.matmul.fp32_precision,
+        backends.fp32_precision,
+    )
+    yield
+    backends.cuda.matmul.fp32_precision = saved[1]
+    backends.fp32_precision = saved[2]
+    torch.set_float32_matmul_precision(saved[0])
+
+
+def test_tf32_is_read_from_the_legacy_and_the_newer_switches(matmul_switches) -> None:
+    cuda, cpu = [torch.device("cuda")], [torch.device("cpu")]
+    assert not reduced_float32_products(cuda)  # torch's default: full float32
+    torch.set_float32_matmul_precision("high")
+    assert reduced_float32_products(cuda)
+    assert reduced_float32_products([torch.device("cpu"), torch.device("cuda:1")])
+    assert not reduced_float32_products(cpu)  # TF32 is a CUDA matmul mode
+    torch.set_float32_matmul_precision("highest")
+    assert not reduced_float32_products(cuda)
+    # The newer API decides where it says something, for CUDA matmuls or globally.
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    assert reduced_float32_products(cuda)
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    assert not reduced_float32_products(cuda)
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    torch.backends.fp32_precision = "tf32"
+    assert reduced_float32_products(cuda)

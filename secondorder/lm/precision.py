@@ -102,7 +102,8 @@ def reduced_float32_products(devices: Sequence[torch.device]) -> bool:
     ``"tf32"`` for CUDA matmuls (``torch.backends.cuda.matmul.fp32_precision``, else
     the global ``torch.backends.fp32_precision``), or, where that says nothing, where
     the legacy switch allows it (``torch.set_float32_matmul_precision("high")`` or
-    ``"medium"``, ``torch.backends.cuda.matmul.allow_tf32 = True``).
+    ``"medium"``, ``torch.backends.cuda.matmul.allow_tf32 = True``), and wherever torch
+    refuses to report that switch.
     """
     if not any(torch.device(d).type == "cuda" for d in devices):
         return False
@@ -112,9 +113,11 @@ def reduced_float32_products(devices: Sequence[torch.device]) -> bool:
         newer = getattr(backends, "fp32_precision", "none")
     if newer != "none":
         return bool(newer == "tf32")
+    # The legacy switches; torch refuses to report them once the two APIs are mixed
+    # (a CPU precision set through the newer one, say): then assume the worst.
     try:
-        return bool(torch.get_float32_matmul_precision() != "highest")
-    except RuntimeError:  # the legacy and newer APIs were both used: assume the worst
+        return bool(backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
         return True
 
 

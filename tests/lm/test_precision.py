@@ -508,10 +508,12 @@ def matmul_switches():
         torch.get_float32_matmul_precision(),
         backends.cuda.matmul.fp32_precision,
         backends.fp32_precision,
+        backends.mkldnn.matmul.fp32_precision,
     )
     yield
     backends.cuda.matmul.fp32_precision = saved[1]
     backends.fp32_precision = saved[2]
+    backends.mkldnn.matmul.fp32_precision = saved[3]
     torch.set_float32_matmul_precision(saved[0])
 
 
@@ -532,3 +534,7 @@ def test_tf32_is_read_from_the_legacy_and_the_newer_switches(matmul_switches) ->
     torch.backends.cuda.matmul.fp32_precision = "none"
     torch.backends.fp32_precision = "tf32"
     assert reduced_float32_products(cuda)
+    torch.backends.fp32_precision = "none"
+    # A CPU precision through the newer API leaves CUDA's matmuls as they were.
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    assert not reduced_float32_products(cuda)

@@ -63,6 +63,10 @@ def shifted_cholesky_solve(k: Tensor, shift: Tensor | float, b: Tensor) -> tuple
     length-``n`` vector (converted to ``k``'s dtype).  Returns ``x`` and LAPACK's
     ``info`` (0 when ``k + diag(shift)`` factored; otherwise ``x`` is not a solution).
     """
+    if k.ndim != 2 or k.shape[0] != k.shape[1]:
+        raise ValueError(
+            f"shifted_cholesky_solve takes one n × n matrix, got shape {tuple(k.shape)}"
+        )
     n = k.shape[-1]
     size = factor_size(n, k.dtype, k.device)
     m = k.clone() if size == n else pad_identity(k, size)

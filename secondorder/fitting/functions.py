@@ -365,7 +365,7 @@ def _user_jacobian(
         if J.device != x.device:
             raise ValueError(
                 f"jac returned a Jacobian on {J.device} for x on {x.device}: return it "
-                "on x's device (.to(x.device))"
+                "on x's device, the CPU (.to(x.device) or .cpu())"
             )
         return J.to(torch.float64)
 

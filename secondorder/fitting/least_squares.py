@@ -516,9 +516,9 @@ def _build_problem(
     f0 = flat_residuals(probe, numpy_fun=numpy_fun).detach()
     if f0.device != x_eval.device:
         raise ValueError(
-            f"fun returned residuals on {f0.device} for x0 on {x_eval.device}: the fit "
-            "runs where x0 is, so return the residuals there (pass x0 on the residuals' "
-            "device, or move them with .to(x.device) inside fun)"
+            f"fun returned residuals on {f0.device} for x0 on {x_eval.device}: "
+            "least_squares runs on the CPU, so return CPU tensors from fun "
+            "(.to(x.device) or .cpu() on its result)"
         )
     m, n = f0.numel(), x_eval.numel()
     if m == 0:

@@ -117,8 +117,9 @@ def test_float32_defaults_follow_the_cpu_trajectory(device: torch.device) -> Non
 
 def test_tf32_makes_auto_form_every_normal_matrix_in_float64(device: torch.device) -> None:
     """TF32 rounds a CUDA float32 product's inputs to 10 bits: nothing ``"auto"`` can
-    certify, so every Gram is float64 there, and the run follows the CPU's float32
-    run as closely as the plain float32 run does.  On the CPU the switch changes
+    certify, so every Gram is float64 there.  The model's own layers run in TF32 too
+    (the user's choice), so the trajectory is compared only loosely: every step is
+    accepted and the loss falls as the CPU's does.  On the CPU the switch changes
     nothing."""
     ref = run("cpu", {}, PRIMAL, dtype=torch.float32)
     before = torch.get_float32_matmul_precision()
@@ -133,7 +134,8 @@ def test_tf32_makes_auto_form_every_normal_matrix_in_float64(device: torch.devic
     assert dtypes == expected, dtypes
     for step, (a, b) in enumerate(zip(got["records"], ref["records"], strict=True)):
         rel = abs(a["loss"] - b["loss"]) / b["loss"]
-        assert a["accepted"] and rel <= 1e-3, f"step {step}: {a!r} against {b!r}"
+        assert a["accepted"] and rel <= 5e-2, f"step {step}: {a!r} against {b!r}"
+    assert got["records"][-1]["loss"] < 0.5 * got["records"][0]["loss"]
 
 
 # -- the classifier defaults on mini-batches --------------------------------------------

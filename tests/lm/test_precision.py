@@ -511,10 +511,12 @@ def matmul_switches():
         backends.mkldnn.matmul.fp32_precision,
     )
     yield
+    # The legacy setter writes the newer switches too: it goes first, so that the
+    # newer ones end as they were (``"none"`` inherits; a written value would pin).
+    torch.set_float32_matmul_precision(saved[0])
     backends.cuda.matmul.fp32_precision = saved[1]
     backends.fp32_precision = saved[2]
     backends.mkldnn.matmul.fp32_precision = saved[3]
-    torch.set_float32_matmul_precision(saved[0])
 
 
 def test_tf32_is_read_from_the_legacy_and_the_newer_switches(matmul_switches) -> None:

@@ -45,9 +45,14 @@ def factor_size(n: int, dtype: torch.dtype, device: torch.device | str) -> int:
     return size
 
 
-def pad_identity(m: Tensor, size: int) -> Tensor:
-    """``blockdiag(m, I)`` of order ``size`` (``m`` itself, not a copy, when it fits)."""
+def pad_identity(m: Tensor, size: int | None = None) -> Tensor:
+    """``blockdiag(m, I)`` of order ``size`` (``m`` itself, not a copy, when it fits).
+
+    ``size``: by default :func:`factor_size` of ``m``'s order, dtype and device.
+    """
     n = m.shape[-1]
+    if size is None:
+        size = factor_size(n, m.dtype, m.device)
     if size == n:
         return m
     out = m.new_zeros(*m.shape[:-2], size, size)

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._lapack import factor_size, pad_identity
+from .._lapack import pad_identity
 
 __all__ = [
     "MIN_CHUNK_ROWS",
@@ -224,7 +224,7 @@ def _floor_holds_in_place(k: Tensor, mu: float, eps: float) -> bool:
     if not math.isfinite(trace):
         return False
     k.diagonal().sub_(mu + eps + m * _U64 * abs(trace))
-    return int(torch.linalg.cholesky_ex(pad_identity(k, factor_size(m, k.dtype, k.device)))[1]) == 0
+    return int(torch.linalg.cholesky_ex(pad_identity(k))[1]) == 0
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._lapack import factor_size, pad_identity
+from .._lapack import pad_identity
 from .config import CoupledNewtonConfig, EigenConfig, RootInvConfig
 from .root_inverse import (
     batched_eigh,
@@ -186,8 +186,7 @@ class RootInversePreconditioner(Preconditioner):
                 # The layout was chosen for eigh (config switched after the state was
                 # built): with the Cholesky factor R = LLᵀ, D = Lᵀ has R = DᵀD.
                 n = X.shape[-1]
-                size = factor_size(n, X.dtype, X.device)
-                L, info = torch.linalg.cholesky_ex(pad_identity(X, size))
+                L, info = torch.linalg.cholesky_ex(pad_identity(X))
                 X, failed = L[..., :n, :n].mT, failed | (info != 0)
             return X, failed
         assert isinstance(cfg, EigenConfig)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..._lapack import factor_size, pad_identity
+from ..._lapack import pad_identity
 
 __all__ = ["KFACLayer", "KroneckerLayer"]
 
@@ -206,12 +206,6 @@ def sym_eigh(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return d.clamp(min=0.0), q
 
 
-def _pad_identity(m: Tensor) -> Tensor:
-    # blockdiag(m, I) at a size LAPACK handles quickly (secondorder._lapack): its
-    # factor is blockdiag(chol m, I) and its inverse blockdiag(m⁻¹, I).
-    return pad_identity(m, factor_size(m.shape[-1], m.dtype, m.device))
-
-
 def spd_inverse(m: Tensor) -> Tensor:
     """Inverse of a symmetric positive definite (batch of) matrix by Cholesky.
 
@@ -222,7 +216,7 @@ def spd_inverse(m: Tensor) -> Tensor:
     # symmetric m (column-major already) and reading the symmetric result back through
     # its transpose spares two transposing copies of the matrix (~15% at n = 1281).
     n = m.shape[-1]
-    chol, info = torch.linalg.cholesky_ex(_pad_identity(m).mT)
+    chol, info = torch.linalg.cholesky_ex(pad_identity(m).mT)
     if bool((info != 0).any()):
         return torch.linalg.inv(m)
     return torch.cholesky_inverse(chol).mT[..., :n, :n]
@@ -237,13 +231,13 @@ def spd_cholesky(m: Tensor) -> Tensor:
     falls back to LU, which the solves cannot).
     """
     n = m.shape[-1]
-    chol, info = torch.linalg.cholesky_ex(_pad_identity(m).mT)
+    chol, info = torch.linalg.cholesky_ex(pad_identity(m).mT)
     if bool((info != 0).any()):
         low = torch.linalg.eigvalsh(m)[..., :1].clamp(max=0.0)
         tiny = n * torch.finfo(m.dtype).eps * m.diagonal(dim1=-2, dim2=-1).abs().amax(-1, True)
         m = m.clone()
         m.diagonal(dim1=-2, dim2=-1).add_(tiny - low)
-        chol = torch.linalg.cholesky(_pad_identity(m).mT)
+        chol = torch.linalg.cholesky(pad_identity(m).mT)
     return chol.mT[..., :n, :n]
 
 

@@ -15,7 +15,6 @@ step only), with the date, the thread count and the load average.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core import Method, MethodResult, Problem, train
+from .core import Method, MethodResult, Problem, run_line, train
 from .lm_methods import lm_method, tlm_method
 from .lm_problems import build_problems
 
@@ -64,11 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    print(
-        f"{now:%Y-%m-%d %H:%M} UTC, {torch.get_num_threads()} threads, torch "
-        f"{torch.__version__}, load {os.getloadavg()[0]:.2f}, initialisations 0-{args.inits - 1}"
-    )
+    print(f"{run_line()}, initialisations 0-{args.inits - 1}")
     problems = build_problems(quick=True, keys=args.problems)
     for key, problem in problems.items():
         methods = {

@@ -25,6 +25,7 @@ How a family plugs in (see ``benchmarks/lm_methods.py`` for the LM suite):
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import math
 import os
@@ -687,6 +688,15 @@ def resolve_device(name: str) -> str | None:
         print(f"--device {name!r}: this torch sees no CUDA GPU; use --device cpu", file=sys.stderr)
         return None
     return str(dev)
+
+
+def run_line() -> str:
+    """When and how a script's numbers were taken: UTC time, threads, torch, load."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
+        f"{now:%Y-%m-%d %H:%M} UTC, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}, load {os.getloadavg()[0]:.2f}"
+    )
 
 
 def where(info: Mapping[str, Any], device: str) -> str:

@@ -13,8 +13,6 @@ not padded show the same call twice (a check of the noise).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +21,8 @@ import torch
 from torch import Tensor
 
 from secondorder._lapack import factor_size, pad_identity, shifted_cholesky_solve
+
+from .core import run_line
 
 
 def _plain_solve(k: Tensor, b: Tensor) -> Tensor:
@@ -39,7 +39,7 @@ def _plain_inverse(k: Tensor) -> Tensor:
 
 def _padded_inverse(k: Tensor) -> Tensor:
     n = k.shape[-1]
-    L, _ = torch.linalg.cholesky_ex(pad_identity(k, factor_size(n, k.dtype, k.device)))
+    L, _ = torch.linalg.cholesky_ex(pad_identity(k))
     return torch.cholesky_inverse(L)[:n, :n]
 
 
@@ -72,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=0, help="0: by size")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    print(
-        f"{now:%Y-%m-%d %H:%M} UTC, {args.threads} threads, torch {torch.__version__}, "
-        f"load {os.getloadavg()[0]:.2f}"
-    )
+    print(run_line())
     print(
         "| dtype | n | factored at | solve µs: n / padded | ratio "
         "| inverse µs: n / padded | ratio |"

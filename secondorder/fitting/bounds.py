@@ -141,6 +141,16 @@ class BoxTransform:
         )
         return d1, d2
 
+    def start_size(self, y: Tensor) -> Tensor:
+        """``|x(y)|`` in units of the free variable: ``|x| / |x'(y)|`` (``|y|`` where ``x' = 0``).
+
+        The size of a start as MINPACK measures it (``|x|``), expressed in the variable
+        the solver works in; where ``x`` is unbounded and unscaled it is ``|y|``.
+        """
+        d1, _ = self.derivatives(y)
+        x = self.to_x(y)
+        return torch.where(d1 != 0, x.abs() / d1.abs(), y.abs())
+
     def strictly_feasible(self, x: Tensor) -> Tensor:
         """Move points on a bound slightly inside, where the change of variables has slope."""
         step = 1e-10 * torch.clamp(x.abs(), min=1.0)

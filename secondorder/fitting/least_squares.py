@@ -19,7 +19,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from ..lm.damping import (
     DAMPING_MATRICES,
     FITTING_DAMPING_RULES,
     DampingState,
+    TrustRegionRule,
     make_damping_matrix,
     make_damping_rule,
 )
@@ -133,7 +134,9 @@ def least_squares(
         ftol: scipy's tolerance on the relative reduction of the cost.  ``None``
             disables a tolerance; at least one of the three must exceed machine
             epsilon (all three for "lm").
-        xtol: scipy's tolerance on the relative step (in the scaled variables).
+        xtol: scipy's tolerance on the relative step (in the scaled variables); with
+            bounds, trf's test on x itself, ``‖Δx‖ ≤ xtol·(xtol + ‖x‖)`` (in
+            ``x/x_scale`` for an array ``x_scale``).
         gtol: scipy's tolerance on the cosine between the residuals and the columns
             of J (MINPACK's measure).
         x_scale: the scale of each variable: the damping matrix becomes
@@ -761,8 +764,27 @@ def _solve(
     matrix = make_damping_matrix(_damping_matrix_name(opts, problem))
     state = DampingState(damping=float(opts.damping))
     solver = _make_solver(opts)
+    bounds = problem.bounds
+    # Under bounds the step test is trf's, on x itself: in the bounds' free variable
+    # y, scaled by D, a step that leaves one coordinate far from where it goes can look
+    # negligible beside another coordinate's large ‖D^½y‖ (a fit driven against one
+    # bound by a slow valley would stop there, reporting convergence).
+    xtol = opts.xtol or 0.0
+    xtol_in_x = bounds.bounded and xtol > 0
     config = _engine_config(opts)
+    if xtol_in_x:
+        config = replace(config, xtol=0.0)
     system = _first_system(problem, y)
+    if isinstance(rule, TrustRegionRule) and problem.bounds.bounded:
+        # MINPACK's first radius is factor·‖D^½x₀‖, the size of the start.  Measured in
+        # the bounds' free variable it is the size of y₀, which says nothing of x₀: at
+        # the middle of two-sided bounds (curve_fit's start without p0) y₀ = 0 and the
+        # region would start at `factor` in D's units, far too small to leave the
+        # start.  So the size is x₀'s, in the free variable's units.
+        col = system.col_sq if system.scale_sq is None else system.scale_sq
+        d = matrix.diagonal(col, replace(state), config.damping_min)
+        size = problem.bounds.start_size(y).to(torch.float64)
+        rule.start(state, float(torch.linalg.vector_norm(d.to(torch.float64).sqrt() * size)))
     status, reason = 0, ""
     history = [0.5 * float(system.loss_sum)]
     printer = _Printer(opts.verbose == 2 and opts.method != "lm")
@@ -796,6 +818,12 @@ def _solve(
         elif out.stop and problem.nfev - before < remaining and not out.accepted:
             # λ reached its maximum: steps are as short as the arithmetic allows.
             status = 3
+        if out.accepted and xtol_in_x and status in (0, 2):
+            unit = 1.0 if bounds.scale is None else bounds.scale
+            x_new = bounds.to_x(y) / unit
+            dx = float(torch.linalg.vector_norm(x_new - bounds.to_x(y_before) / unit))
+            if dx <= xtol * (xtol + float(torch.linalg.vector_norm(x_new))):
+                status = 4 if status == 2 else 3
         if out.accepted:
             system = problem.linearize(y, problem.residuals(y))
             if not is_finite_system(system):

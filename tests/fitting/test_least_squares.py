@@ -524,6 +524,37 @@ def test_active_bound_at_default_tolerances_is_not_declared_converged_early() ->
     assert res.nfev <= ref.nfev
 
 
+def _ramp_line() -> tuple[np.ndarray, np.ndarray]:
+    """A line over x up to 1e6 (slope 0.5, intercept 20): a long, narrow valley."""
+    t = np.linspace(0.0, 1e6, 1000)
+    return t, 0.5 * t + 20.0 + np.random.default_rng(0).standard_normal(t.size)
+
+
+@pytest.mark.parametrize("upper", [1e3, 1e4])
+def test_a_start_at_the_middle_of_two_sided_bounds_moves_to_scipys_solution(
+    upper: float,
+) -> None:
+    # The middle of the bounds (curve_fit's start without p0) is y = 0 of the change of
+    # variables; a first trust region sized from y = 0 could not leave it, and the fit
+    # stopped there on ftol.  On the way, the intercept is driven to its lower bound
+    # while the slope falls; a step test in the free variable stopped there on xtol.
+    t, y = _ramp_line()
+    bounds = ([0.0, -100.0], [upper, 100.0])
+    middle = np.array([upper / 2, 0.0])
+    ref = scipy.optimize.least_squares(lambda p: p[0] * t + p[1] - y, middle, bounds=bounds)
+    tt, yt = torch.tensor(t), torch.tensor(y)
+    for jac in ("2-point", "auto"):
+        res = so.least_squares(
+            lambda p: p[0] * tt + p[1] - yt, torch.tensor(middle), jac=jac, bounds=bounds
+        )
+        assert res.success
+        np.testing.assert_allclose(as_np(res.x), ref.x, rtol=1e-6)
+        assert res.cost == pytest.approx(ref.cost, rel=1e-9)
+    popt, _ = so.curve_fit(lambda x, a, b: a * x + b, t, y, bounds=bounds)
+    ref_popt, _ = scipy.optimize.curve_fit(lambda x, a, b: a * x + b, t, y, bounds=bounds)
+    np.testing.assert_allclose(popt, ref_popt, rtol=1e-6)
+
+
 # -- 5. a linear problem -------------------------------------------------------------------
 
 

@@ -2,9 +2,13 @@
 
 As in MINUIT and lmfit, each bounded coordinate is a smooth function of a free one:
 
-* two-sided: ``x = lb + (ub - lb)(sin y + 1)/2``;
-* lower only: ``x = lb - 1 + √(y² + 1)``;
-* upper only: ``x = ub + 1 - √(y² + 1)``.
+* two-sided: ``x = lb + w·sin²y`` with ``w = ub - lb`` (MINUIT's ``(sin y' + 1)/2``
+  with ``y' = 2y - π/2``: the same iterates up to rounding), computed from the
+  nearer bound (``lb + w·sin²y``, ``ub - w·cos²y``) or from the middle
+  (``(lb + ub)/2 - (w/2)·cos 2y``), so a solution a tiny fraction of a wide box from
+  its bound keeps its digits;
+* lower only: ``x = lb - 1 + √(y² + 1)``, computed as ``lb + y²/(√(y² + 1) + 1)``;
+* upper only: ``x = ub + 1 - √(y² + 1)``, likewise.
 
 The solver works in ``y``, so every iterate is feasible and a bound is reached exactly
 (where ``x'(y) = 0``).  :func:`parse_bounds` reads the user's ``bounds`` argument;
@@ -103,21 +107,41 @@ class BoxTransform:
         if not self.bounded:
             return y
         lb, ub = self._finite_ends()
-        root = torch.sqrt(y * y + 1)
-        two = lb + (ub - lb) * (torch.sin(y) + 1) / 2
-        low = lb - 1 + root
-        high = ub + 1 - root
+        # √(y² + 1) - 1 as y²/(√(y² + 1) + 1): no cancellation, so a start or solution
+        # a tiny distance from its bound (a saturation current of 1e-15 above 0) keeps
+        # its relative precision.
+        rise = y * y / (torch.sqrt(y * y + 1) + 1)
+        sin2, cos2 = torch.sin(y) ** 2, torch.cos(y) ** 2
+        width = ub - lb
+        # From the nearer bound, or in the middle from the middle: x - lb, ub - x and
+        # x - (lb + ub)/2 each keep their digits where they are small.
+        middle = lb / 2 + ub / 2 - width / 2 * torch.cos(2 * y)
+        two = torch.where(
+            sin2 <= 0.25, lb + width * sin2, torch.where(cos2 <= 0.25, ub - width * cos2, middle)
+        )
+        low = lb + rise
+        high = ub - rise
         return torch.where(self.both, two, torch.where(self.lo, low, torch.where(self.hi, high, y)))
 
     def to_y(self, x: Tensor) -> Tensor:
-        """A ``y`` with ``x(y) = x``: ``y ≥ 0``, or ``|y| ≤ π/2`` where two-sided."""
+        """A ``y`` with ``x(y) = x``: ``y ≥ 0``, and ``y ≤ π/2`` where two-sided."""
         if not self.bounded:
             return x if self.scale is None else x / self.scale
         lb, ub = self._finite_ends()
         width = torch.where(self.both, ub - lb, torch.ones_like(ub))
-        two = torch.arcsin(torch.clamp(2 * (x - lb) / width - 1, -1.0, 1.0))
-        low = torch.sqrt(torch.clamp((x - lb + 1) ** 2 - 1, min=0.0))
-        high = torch.sqrt(torch.clamp((ub - x + 1) ** 2 - 1, min=0.0))
+        above = torch.clamp((x - lb) / width, 0.0, 1.0)
+        below = torch.clamp((ub - x) / width, 0.0, 1.0)
+        # sin²y = (x - lb)/w, from the nearer bound's distance, or from the middle.
+        centred = torch.clamp((lb / 2 + ub / 2 - x) / (width / 2), -1.0, 1.0)
+        two = torch.where(
+            above <= 0.25,
+            torch.arcsin(torch.sqrt(above)),
+            torch.where(below <= 0.25, torch.arccos(torch.sqrt(below)), torch.arccos(centred) / 2),
+        )
+        # √((d + 1)² - 1) as √(d(d + 2)), d the distance to the bound.
+        above, below = torch.clamp(x - lb, min=0.0), torch.clamp(ub - x, min=0.0)
+        low = torch.sqrt(above * (above + 2))
+        high = torch.sqrt(below * (below + 2))
         y = torch.where(self.both, two, torch.where(self.lo, low, torch.where(self.hi, high, x)))
         return y if self.scale is None else y / self.scale
 
@@ -131,25 +155,32 @@ class BoxTransform:
         one, zero = torch.ones_like(y), torch.zeros_like(y)
         d1 = torch.where(
             self.both,
-            width * torch.cos(y) / 2,
+            width * torch.sin(2 * y),
             torch.where(self.lo, y / root, torch.where(self.hi, -y / root, one)),
         )
         d2 = torch.where(
             self.both,
-            -width * torch.sin(y) / 2,
+            2 * width * torch.cos(2 * y),
             torch.where(self.lo, root**-3, torch.where(self.hi, -(root**-3), zero)),
         )
         return d1, d2
 
     def start_size(self, y: Tensor) -> Tensor:
-        """``|x(y)|`` in units of the free variable: ``|x| / |x'(y)|`` (``|y|`` where ``x' = 0``).
+        """The size of a start, in units of the free variable.
 
-        The size of a start as MINPACK measures it (``|x|``), expressed in the variable
-        the solver works in; where ``x`` is unbounded and unscaled it is ``|y|``.
+        MINPACK sizes its first trust region by ``|x₀|``; a bounded coordinate counts
+        its distance to the nearer bound too, where that is larger (a start at 0 in the
+        middle of ``(-1, 1)`` has size 1, not 0).  Divided by ``|x'(y)|`` to be a length
+        in ``y``; ``|y|`` where ``x' = 0`` or ``x`` is unbounded and unscaled.
         """
         d1, _ = self.derivatives(y)
         x = self.to_x(y)
-        return torch.where(d1 != 0, x.abs() / d1.abs(), y.abs())
+        inf = torch.full_like(x, math.inf)
+        gap = torch.minimum(
+            torch.where(self.lo, x - self.lb, inf), torch.where(self.hi, self.ub - x, inf)
+        )
+        size = torch.where(self.lo | self.hi, torch.maximum(x.abs(), gap), x.abs())
+        return torch.where(d1 != 0, size / d1.abs(), y.abs())
 
     def strictly_feasible(self, x: Tensor) -> Tensor:
         """Move points on a bound slightly inside, where the change of variables has slope."""

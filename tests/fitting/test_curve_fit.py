@@ -102,6 +102,25 @@ def test_matches_scipy_with_bounds():
     assert rel(pcov, pcov_ref) < 1e-6
 
 
+@pytest.mark.parametrize("upper", [math.inf, 1e-6])
+def test_a_tiny_parameter_above_its_bound_keeps_its_digits(upper):
+    # A diode's saturation current (1e-14 A) fitted under bounds (0, upper) on exact
+    # data: scipy's trf recovers it to rounding, and so must the change of variables
+    # (√(y² + 1) - 1 and (sin y + 1)/2 rounded it to a few digits).
+    v = np.linspace(0.3, 0.7, 41)
+
+    def diode(v, i0, n):
+        return i0 * np.expm1(v / (n * 0.02585))
+
+    current = diode(v, 1e-14, 1.5)
+    bounds = ([0.0, 0.5], [upper, 3.0])
+    kw = {"p0": [3e-14, 1.3], "sigma": 0.01 * current, "bounds": bounds}
+    ref, _ = sopt.curve_fit(diode, v, current, **kw)
+    popt, _ = curve_fit(diode, v, current, **kw)
+    np.testing.assert_allclose(ref, [1e-14, 1.5], rtol=1e-12)
+    np.testing.assert_allclose(popt, [1e-14, 1.5], rtol=1e-12)
+
+
 def test_p0_none_reads_the_signature_like_scipy():
     t, y, _, _ = decay_data()
     popt_ref, pcov_ref = sopt.curve_fit(decay_np, t, y, **TOL)

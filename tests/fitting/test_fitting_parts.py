@@ -84,6 +84,40 @@ def test_transform_derivatives_are_autograds() -> None:
     torch.testing.assert_close(d2, torch.stack([H[i, i, i] for i in range(4)]), rtol=1e-13, atol=0)
 
 
+@pytest.mark.parametrize("y0", [0.4, 0.8, 1.3, -0.3, 2.9])
+def test_two_sided_map_is_smooth_across_its_three_formulas(y0: float) -> None:
+    # x is computed from lb, from the middle or from ub (by sin²y): one smooth map.
+    box = BoxTransform(torch.tensor([-1.0], dtype=F64), torch.tensor([3.0], dtype=F64))
+    y = torch.tensor([y0], dtype=F64)
+    torch.testing.assert_close(box.to_x(y), -1.0 + 4.0 * torch.sin(y) ** 2, rtol=1e-15, atol=4e-16)
+    d1, d2 = box.derivatives(y)
+    torch.testing.assert_close(d1, jacfwd(box.to_x)(y).diagonal(), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(d2[0], jacfwd(jacfwd(box.to_x))(y)[0, 0, 0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("lb", "ub", "x"),
+    [
+        (0.0, math.inf, 3.3e-15),  # a saturation current above 0
+        (-math.inf, 2.0, 2.0 - 7e-13),  # just below an upper bound
+        (0.0, 1e-6, 1e-14),  # two-sided, near lb
+        (0.0, 1.0, 1.0 - 3e-12),  # two-sided, near ub
+        (-1e3, 1e3, 1.5),  # two-sided, in the middle
+        (5.0, math.inf, 5.0 + 2e-9),
+    ],
+)
+def test_points_near_a_bound_keep_their_distance_to_it(lb: float, ub: float, x: float) -> None:
+    # x - lb (or ub - x, or x - the middle) survives the round trip to digits, where
+    # √(y² + 1) - 1 and (sin y + 1)/2 lost all but a few of them.
+    box = BoxTransform(torch.tensor([lb], dtype=F64), torch.tensor([ub], dtype=F64))
+    t = torch.tensor([x], dtype=F64)
+    back = float(box.to_x(box.to_y(t))[0])
+    ref = min(
+        abs(x - lb), abs(ub - x), abs(x - (lb + ub) / 2) if math.isfinite(lb + ub) else math.inf
+    )
+    assert abs(back - x) <= 1e-12 * ref + 4 * np.spacing(abs(x))
+
+
 def test_active_mask_and_strictly_feasible() -> None:
     box = BoxTransform(LB, UB)
     x = torch.tensor([2.0, -1.0, 3.0, 0.0], dtype=F64)

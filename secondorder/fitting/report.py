@@ -62,21 +62,28 @@ def _undetermined_category() -> type[Warning]:
 
 
 def _unscaled_covariance(J: Tensor) -> tuple[Tensor, Tensor]:
-    """``((JᵀJ)⁻¹, undetermined)`` through the SVD of J.
+    """``((JᵀJ)⁻¹, undetermined)`` through the SVD of J with its columns scaled to norm 1.
 
-    Singular values below ``eps·max(m, n)·s_max`` are treated as zero (scipy's rule).
-    Moving the parameters along such a direction does not change the residuals, so
-    the data say nothing about it: every parameter with a component along one (more
-    than √eps of it) is *undetermined*, and its variance is infinite, not the 0 a
-    pseudo-inverse would give (a parameter the model ignores is the simplest case).
+    The rank is decided on the scaled columns, so it does not depend on the units of
+    the parameters: a saturation current of 1e-15 A beside an ideality factor of 1.5
+    gives columns 10¹⁴ apart, which an unscaled SVD would call rank deficient though
+    each parameter is well determined (MINPACK's pivoted QR is immune for the same
+    reason).  Singular values of the scaled J below ``eps·max(m, n)·s_max`` count as
+    zero (scipy's rule).  Moving the parameters along such a direction does not change
+    the residuals, so the data say nothing about it: every parameter with a component
+    along one (more than √eps of it) is *undetermined*, and its variance is infinite,
+    not the 0 a pseudo-inverse would give (a parameter the model ignores is the
+    simplest case).
     """
     n = J.shape[1]
-    _, s, Vh = torch.linalg.svd(J, full_matrices=True)
+    norms = torch.linalg.vector_norm(J, dim=0)
+    scale = torch.where(norms > 0, norms, torch.ones_like(norms))
+    _, s, Vh = torch.linalg.svd(J / scale, full_matrices=True)
     rank = 0
     if s.numel() > 0 and float(s[0]) > 0.0:
         rank = int((s > torch.finfo(J.dtype).eps * max(J.shape) * s[0]).sum())
     kept, null = Vh[:rank], Vh[rank:]
-    cov = (kept.T / s[:rank] ** 2) @ kept
+    cov = ((kept.T / s[:rank] ** 2) @ kept) / scale[:, None] / scale[None, :]
     undetermined = torch.linalg.vector_norm(null, dim=0) > math.sqrt(torch.finfo(J.dtype).eps)
     return cov.reshape(n, n), undetermined
 

@@ -908,6 +908,20 @@ def _gradient(problem: FunctionProblem, f: Tensor, J: Tensor, opts: _Options) ->
     return J.T @ (rho(opts.loss, (f / opts.f_scale) ** 2)[1] * f)
 
 
+def _reported_jacobian(f: Tensor, J: Tensor, opts: _Options) -> Tensor:
+    """The ``res.jac`` scipy reports: J, under a robust loss with rows scaled by ``√(ρ' + 2zρ'')``.
+
+    ``z = (f/f_scale)²``, the factor floored at machine epsilon as scipy floors it: then
+    ``JᵀJ`` is the Gauss-Newton model of the robust cost's Hessian, which is what
+    :func:`~secondorder.fitting.covariance` (and scipy's ``curve_fit``) invert.
+    """
+    if isinstance(opts.loss, str) and opts.loss == "linear":
+        return J
+    z = (f / opts.f_scale) ** 2
+    _, d1, d2 = rho(opts.loss, z)
+    return J * torch.clamp(d1 + 2 * z * d2, min=_EPS).sqrt()[:, None]
+
+
 def _optimality(problem: FunctionProblem, y: Tensor, opts: _Options) -> float:
     """Scipy's first-order optimality at ``y``: ``‖grad‖∞``, Coleman-Li scaled under bounds."""
     transform = problem.bounds
@@ -948,7 +962,7 @@ def _result(
         x=out_arr(x),
         cost=0.5 * float(cost2),
         fun=out_arr(f.detach()),
-        jac=out_arr(J),
+        jac=out_arr(_reported_jacobian(f.detach(), J, opts)),
         grad=out_arr(grad.detach()),
         optimality=optimality,
         active_mask=out_arr(active),

@@ -148,8 +148,8 @@ def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
     With ``m ≤ n`` and ``absolute_sigma=False`` there are no degrees of freedom left to
     estimate ``s²``; the result is filled with ``inf`` and scipy's ``OptimizeWarning``
     (this module's :class:`UndeterminedWarning` without scipy) says so, as scipy's
-    ``curve_fit`` does.  With a robust ``loss`` the cost is the robust cost
-    and ``J`` the plain Jacobian, so the result is an approximation.
+    ``curve_fit`` does.  With a robust ``loss`` the cost is the robust cost and
+    ``res.jac`` the Jacobian scaled for it (scipy's), as in scipy's ``curve_fit``.
 
     Args:
         res: the result of :func:`~secondorder.least_squares` (or anything with

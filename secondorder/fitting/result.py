@@ -32,7 +32,9 @@ class OptimizeResult(dict[str, Any]):
         x: the solution (a tensor, or a NumPy array when ``x0`` was not a tensor).
         cost: ``½ Σ ρ(f²)`` at the solution (``½‖f‖²`` for the linear loss).
         fun: residuals at the solution.
-        jac: Jacobian of the residuals at the solution (unscaled by the loss).
+        jac: Jacobian of the residuals at the solution; under a robust loss scipy's
+            modified Jacobian, rows scaled by ``√(ρ' + 2zρ'')`` (``JᵀJ`` then models the
+            robust cost's Hessian).
         grad: gradient of the cost, ``Jᵀ(ρ'·f)``.
         optimality: first-order optimality, ``‖grad‖∞`` (scaled by the distance to
             active bounds as scipy's "trf" does, when bounds are given).

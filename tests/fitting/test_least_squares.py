@@ -555,6 +555,27 @@ def test_a_start_at_the_middle_of_two_sided_bounds_moves_to_scipys_solution(
     np.testing.assert_allclose(popt, ref_popt, rtol=1e-6)
 
 
+@pytest.mark.parametrize("loss", ["soft_l1", "huber", "cauchy", "arctan"])
+def test_robust_loss_reports_scipys_scaled_jacobian(loss: str) -> None:
+    # scipy's res.jac under a robust loss is J with rows scaled by √(ρ' + 2zρ'') (floored
+    # at eps): JᵀJ models the robust cost's Hessian, and curve_fit's pcov inverts it.
+    t = np.linspace(0.0, 3.0, 40)
+    clean = 2.0 * np.exp(-1.3 * t) + 0.5
+    y = clean + 0.02 * np.random.default_rng(1).standard_normal(t.size)
+    y[[5, 17, 30]] += [1.0, -0.8, 1.5]  # outliers
+
+    def model(x, a, b, c):
+        return a * np.exp(-b * x) + c
+
+    kw = {"p0": [1.0, 1.0, 0.0], "loss": loss, "f_scale": 0.5, "method": "trf"}
+    kw_tight = {**kw, "ftol": 1e-12, "xtol": 1e-12, "gtol": 1e-12}
+    popt_ref, pcov_ref = scipy.optimize.curve_fit(model, t, y, **kw_tight)
+    popt, pcov = so.curve_fit(model, t, y, **kw_tight)
+    # Both take J by finite differences: agreement to about √eps.
+    np.testing.assert_allclose(popt, popt_ref, rtol=1e-6)
+    np.testing.assert_allclose(pcov, pcov_ref, rtol=1e-4)
+
+
 # -- 5. a linear problem -------------------------------------------------------------------
 
 
@@ -854,9 +875,15 @@ def test_autodiff_calls_fun_nfev_plus_njev_times_or_fused(options: dict[str, Any
     assert res.nfev >= 2 and res.njev >= 1
     fused = options.get("jac") != "fwd" and "bounds" not in options  # bard: 15 x 3, rev
     assert fun.calls == res.nfev + (1 if fused else res.njev)
-    # The reported residuals and Jacobian were cached along the way: they are res.x's.
-    torch.testing.assert_close(res.fun, p.torch_fun(res.x), rtol=0, atol=0)
-    torch.testing.assert_close(res.jac, jacfwd(p.torch_fun)(res.x), rtol=1e-12, atol=1e-15)
+    # The reported residuals and Jacobian were cached along the way: they are res.x's
+    # (the Jacobian scaled for a robust loss as scipy scales it: soft_l1's
+    # ρ' + 2zρ'' = (1 + z)^-3/2).
+    f = p.torch_fun(res.x)
+    torch.testing.assert_close(res.fun, f, rtol=0, atol=0)
+    jac = jacfwd(p.torch_fun)(res.x)
+    if options.get("loss") == "soft_l1":
+        jac = jac * ((1 + f**2) ** -0.75)[:, None]
+    torch.testing.assert_close(res.jac, jac, rtol=1e-12, atol=1e-15)
 
 
 FD_CASES = [

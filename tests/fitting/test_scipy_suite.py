@@ -19,8 +19,6 @@ test                                   why it does not apply
 ``*::test_exact_tr_solver``            ``res.jac`` is dense and ``tr_solver="exact"``
                                        works with it (scipy refuses)
 ``*::test_fun_wrong_dimensions``       residuals of any shape are flattened (documented)
-``*::test_jac``                        ``res.jac`` is the Jacobian of ``fun``; scipy's
-                                       is rescaled by the robust loss
 ``*::test_full_result_single_fev``,    ``nfev`` counts every call of ``fun``, finite-
 ``*::test_nfev_options``,              difference columns included (issue 15 item 11);
 ``*::test_numerical_jac``,             scipy 1.17 leaves them out, and ``max_nfev``
@@ -114,7 +112,6 @@ WORKERS = "workers is refused: fun is called serially"
 OPERATOR = "a LinearOperator Jacobian is refused (the solvers need J's entries)"
 SPARSE = "a scipy.sparse Jacobian is made dense (res.jac dense, tr_solver='exact' works)"
 FLATTEN = "residuals of any shape are flattened (documented)"
-ROBUST_JAC = "res.jac is fun's Jacobian; scipy's is rescaled by the robust loss"
 NFEV = "nfev counts finite-difference calls (issue 15 item 11); scipy 1.17 leaves them out"
 EXACT = "asserts x == 0 exactly on fun_trivial: only trf's first trust radius lands there"
 COSINE = "gtol is MINPACK's cosine test, which never fires with one residual"
@@ -137,7 +134,6 @@ class _Trust(_Common):
     test_linear_operator = _skip(OPERATOR)
     test_solver_selection = _skip(SPARSE)
     test_exact_tr_solver = _skip(SPARSE)
-    test_jac = _skip(ROBUST_JAC)
     test_numerical_jac = _skip(NFEV)
     test_bvp = _skip(NFEV)
     test_options = _skip(EXACT)

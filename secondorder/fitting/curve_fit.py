@@ -110,13 +110,16 @@ def curve_fit(
             scipy's ``nfev`` and ``fvec`` and MINPACK's ``fjac``, ``ipvt`` and ``qtf``
             (see :func:`pivoted_qr`), plus ``njev`` and ``result`` (the full
             :class:`~secondorder.fitting.OptimizeResult`, for :func:`fit_report`).
+            With method "lm" ``ier`` is MINPACK's (1: ftol, 2: xtol, 3: both, 4: gtol)
+            as in scipy; otherwise least_squares' ``status``.
         nan_policy: ``None``; ``"raise"`` (NaN in the data raises); ``"omit"`` (points
             where ``xdata`` or ``ydata`` is NaN are dropped, with their ``sigma``);
             ``"propagate"`` is refused, as scipy refuses it.
         **kwargs: passed to :func:`~secondorder.least_squares` (``ftol``, ``xtol``,
             ``gtol``, ``max_nfev``, ``loss``, ``f_scale``, ``x_scale``, ``diff_step``,
             ...); scipy's ``maxfev`` is read as ``max_nfev``.  Not ``args`` or
-            ``kwargs``: ``f`` takes its parameters only.
+            ``kwargs``: ``f`` takes its parameters only, nor leastsq's ``epsfcn``,
+            ``diag``, ``factor`` or ``col_deriv`` (the error says what to pass instead).
 
     Returns:
         ``(popt, pcov)``, or ``(popt, pcov, infodict, mesg, ier)`` with
@@ -155,12 +158,26 @@ def curve_fit(
             ls_jac = jac
     res = least_squares(residuals, x_start, jac=ls_jac, bounds=(lb, ub), method=method, **kwargs)
     return _outputs(
-        res, absolute_sigma=absolute_sigma, tensors=isinstance(p0, Tensor), full_output=full_output
+        res,
+        absolute_sigma=absolute_sigma,
+        tensors=isinstance(p0, Tensor),
+        full_output=full_output,
+        minpack=method == "lm",
     )
 
 
 # ---------------------------------------------------------------------------------------
 # Checking the call and reading the data
+
+
+#: scipy's leastsq keywords (its curve_fit passes them on with method="lm"), and what
+#: to pass to least_squares instead.
+_MINPACK_ONLY = {
+    "epsfcn": "pass diff_step=sqrt(epsfcn) (the relative step of finite differences)",
+    "diag": "pass x_scale=1/diag (MINPACK's diag multiplies the parameters)",
+    "factor": "there is none (the first trust region is MINPACK's, with factor 10); leave it out",
+    "col_deriv": "return the Jacobian from jac with one row per data point",
+}
 
 
 def _check_call(
@@ -190,6 +207,12 @@ def _check_call(
                 f"'{name}' is not a supported keyword argument of curve_fit (as in scipy): f "
                 f"is called as f(xdata, *params), got {name}={kwargs[name]!r}; bind extra "
                 "arguments with functools.partial or a lambda"
+            )
+    for name, instead in _MINPACK_ONLY.items():
+        if name in kwargs:
+            raise TypeError(
+                f"curve_fit got {name}={kwargs[name]!r}, a keyword of scipy's leastsq "
+                f"(method='lm'), which least_squares does not take: {instead}"
             )
     if "maxfev" in kwargs:
         kwargs.setdefault("max_nfev", kwargs.pop("maxfev"))
@@ -457,10 +480,28 @@ def _weighted_jacobian(
     return weighted
 
 
+#: least_squares' status -> (MINPACK's ``ier``, its meaning), which scipy's curve_fit
+#: returns with method="lm".
+_MINPACK_IER = {
+    1: (4, "gtol: every column of the Jacobian is within gtol of orthogonal to the residuals"),
+    2: (
+        1,
+        "ftol: the actual and predicted relative reductions of the sum of squares are at most ftol",
+    ),
+    3: (2, "xtol: the relative change between the last two iterates is at most xtol"),
+    4: (3, "ftol and xtol: both the reduction and the step tests hold"),
+}
+
+
 def _outputs(
-    res: Any, *, absolute_sigma: bool, tensors: bool, full_output: bool
+    res: Any, *, absolute_sigma: bool, tensors: bool, full_output: bool, minpack: bool = False
 ) -> tuple[Any, ...]:
-    """The return values of scipy's ``curve_fit``; a failed fit raises ``RuntimeError`` as there."""
+    """The return values of scipy's ``curve_fit``; a failed fit raises ``RuntimeError`` as there.
+
+    With ``minpack`` (method "lm") ``ier`` and ``mesg`` are MINPACK's, as scipy's
+    ``leastsq`` reports them (``ier`` 1: ftol, 2: xtol, 3: both, 4: gtol); otherwise
+    least_squares' ``status`` and ``message``.
+    """
     if not res.success:
         raise RuntimeError(f"Optimal parameters not found: {res.message}")
     popt = as_float64(res.x, "popt")
@@ -481,4 +522,7 @@ def _outputs(
         "qtf": qtf,
         "result": res,
     }
+    if minpack and res.status in _MINPACK_IER:
+        ier, mesg = _MINPACK_IER[res.status]
+        return out_popt, out_pcov, infodict, mesg, ier
     return out_popt, out_pcov, infodict, res.message, res.status

@@ -527,7 +527,13 @@ def _build_problem(
     if m == 0:
         raise ValueError("fun returned no residuals at x0")
     if not bool(torch.isfinite(f0).all()):
-        raise ValueError("Residuals are not finite in the initial point x0.")
+        bad = torch.nonzero(~torch.isfinite(f0.reshape(-1))).flatten().tolist()
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        raise ValueError(
+            f"Residuals are not finite in the initial point x0: {len(bad)} of {m} entries "
+            f"are NaN or inf (at {shown}). Check the data fun compares against (ydata, "
+            "xdata and sigma in curve_fit) as well as x0."
+        )
     if opts.method == "lm" and m < n:
         raise ValueError(
             f"Method 'lm' doesn't work when the number of residuals ({m}) is less than the "

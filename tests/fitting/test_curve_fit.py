@@ -193,8 +193,10 @@ def test_callable_jac_matches_scipy():
 def test_full_output_and_report():
     t, y, _, p0 = decay_data()
     popt, pcov, info, mesg, ier = curve_fit(decay_torch, t, y, p0, full_output=True)
-    assert ier in (1, 2, 3, 4)
-    assert isinstance(mesg, str) and mesg
+    # method="lm" (the default here): MINPACK's ier and meaning, as scipy's leastsq.
+    ref_ier = sopt.curve_fit(decay_np, t, y, p0, full_output=True)[-1]
+    assert ier == ref_ier == 1
+    assert mesg.startswith("ftol") and "reductions of the sum of squares" in mesg
     assert info["nfev"] == info["result"].nfev
     assert np.asarray(info["fvec"]).shape == (50,)
     report = fit_report(info["result"], names=["amplitude", "rate"])
@@ -207,9 +209,32 @@ def test_full_output_and_report():
     text = str(report)
     assert "amplitude" in text and "rate" in text and "±" in text
     assert f"function evals     = {info['result'].nfev}" in text
-    assert mesg in text
+    assert info["result"].message in text
     c = pcov[0, 1] / math.sqrt(pcov[0, 0] * pcov[1, 1])
     assert f"C(amplitude, rate) = {c:+.4f}" in text
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("epsfcn", "diff_step=sqrt"),
+        ("diag", "x_scale=1/diag"),
+        ("factor", "leave it out"),
+        ("col_deriv", "one row per data point"),
+    ],
+)
+def test_leastsq_only_keywords_are_refused_with_what_to_pass_instead(name, hint):
+    t, y, _, p0 = decay_data()
+    with pytest.raises(TypeError, match=rf"curve_fit got {name}=.*scipy's leastsq.*{hint}"):
+        curve_fit(decay_np, t, y, p0, **{name: 1e-6})
+
+
+def test_nan_in_the_data_is_named_as_a_possible_cause():
+    t, y, _, p0 = decay_data()
+    y = np.array(y, dtype=float)
+    y[[3, 7]] = np.nan
+    with pytest.raises(ValueError, match=r"2 of 50 entries are NaN or inf \(at 3, 7\).*ydata"):
+        curve_fit(decay_np, t, y, p0, check_finite=False)
 
 
 def test_report_hides_weak_correlations():

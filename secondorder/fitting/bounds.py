@@ -2,11 +2,10 @@
 
 As in MINUIT and lmfit, each bounded coordinate is a smooth function of a free one:
 
-* two-sided: ``x = lb + w·sin²y`` with ``w = ub - lb`` (MINUIT's ``(sin y' + 1)/2``
-  with ``y' = 2y - π/2``: the same iterates up to rounding), computed from the
-  nearer bound (``lb + w·sin²y``, ``ub - w·cos²y``) or from the middle
-  (``(lb + ub)/2 - (w/2)·cos 2y``), so a solution a tiny fraction of a wide box from
-  its bound keeps its digits;
+* two-sided: ``x = lb + (ub - lb)(sin y + 1)/2``, evaluated near each bound from
+  ``t``, the distance of y to the bound's angle ``∓π/2`` (exact by Sterbenz's lemma
+  with π/2 in two parts): ``x - lb = w·sin²(t/2)``, so the distance to the bound is
+  computed without cancellation, and from the middle ``(lb + ub)/2 + (w/2)·sin y``;
 * lower only: ``x = lb - 1 + √(y² + 1)``, computed as ``lb + y²/(√(y² + 1) + 1)``;
 * upper only: ``x = ub + 1 - √(y² + 1)``, likewise.
 
@@ -25,6 +24,11 @@ import torch
 from torch import Tensor
 
 __all__ = ["BoxTransform", "parse_bounds"]
+
+#: π/2 as a sum of two doubles (the second is its rounding error), and 2π.
+_HALF_PI_HI = 1.5707963267948966
+_HALF_PI_LO = 6.123233995736766e-17
+_TWO_PI = 2 * math.pi
 
 
 def parse_bounds(bounds: Any, n: int) -> tuple[Tensor, Tensor]:
@@ -111,32 +115,43 @@ class BoxTransform:
         # a tiny distance from its bound (a saturation current of 1e-15 above 0) keeps
         # its relative precision.
         rise = y * y / (torch.sqrt(y * y + 1) + 1)
-        sin2, cos2 = torch.sin(y) ** 2, torch.cos(y) ** 2
         width = ub - lb
-        # From the nearer bound, or in the middle from the middle: x - lb, ub - x and
-        # x - (lb + ub)/2 each keep their digits where they are small.
-        middle = lb / 2 + ub / 2 - width / 2 * torch.cos(2 * y)
+        sin = torch.sin(y)
+        # The angle of the nearer bound, -π/2 or π/2 (+ 2πk), and y's distance t to it.
+        k = torch.round(y / _TWO_PI)
+        to_lower = (y + _HALF_PI_HI) + _HALF_PI_LO - _TWO_PI * k
+        to_upper = (_HALF_PI_HI - y) + _HALF_PI_LO + _TWO_PI * k
         two = torch.where(
-            sin2 <= 0.25, lb + width * sin2, torch.where(cos2 <= 0.25, ub - width * cos2, middle)
+            sin <= -0.5,
+            lb + width * torch.sin(to_lower / 2) ** 2,
+            torch.where(
+                sin >= 0.5,
+                ub - width * torch.sin(to_upper / 2) ** 2,
+                lb / 2 + ub / 2 + width / 2 * sin,
+            ),
         )
         low = lb + rise
         high = ub - rise
         return torch.where(self.both, two, torch.where(self.lo, low, torch.where(self.hi, high, y)))
 
     def to_y(self, x: Tensor) -> Tensor:
-        """A ``y`` with ``x(y) = x``: ``y ≥ 0``, and ``y ≤ π/2`` where two-sided."""
+        """A ``y`` with ``x(y) = x``: ``y ≥ 0``, or ``|y| ≤ π/2`` where two-sided."""
         if not self.bounded:
             return x if self.scale is None else x / self.scale
         lb, ub = self._finite_ends()
         width = torch.where(self.both, ub - lb, torch.ones_like(ub))
         above = torch.clamp((x - lb) / width, 0.0, 1.0)
         below = torch.clamp((ub - x) / width, 0.0, 1.0)
-        # sin²y = (x - lb)/w, from the nearer bound's distance, or from the middle.
-        centred = torch.clamp((lb / 2 + ub / 2 - x) / (width / 2), -1.0, 1.0)
+        centred = torch.clamp((x - (lb / 2 + ub / 2)) / (width / 2), -1.0, 1.0)
+        # (sin y + 1)/2 = (x - lb)/w, read from the nearer bound's distance or the middle.
         two = torch.where(
             above <= 0.25,
-            torch.arcsin(torch.sqrt(above)),
-            torch.where(below <= 0.25, torch.arccos(torch.sqrt(below)), torch.arccos(centred) / 2),
+            -_HALF_PI_HI + (2 * torch.arcsin(torch.sqrt(above)) - _HALF_PI_LO),
+            torch.where(
+                below <= 0.25,
+                _HALF_PI_HI - (2 * torch.arcsin(torch.sqrt(below)) - _HALF_PI_LO),
+                torch.arcsin(centred),
+            ),
         )
         # √((d + 1)² - 1) as √(d(d + 2)), d the distance to the bound.
         above, below = torch.clamp(x - lb, min=0.0), torch.clamp(ub - x, min=0.0)
@@ -155,32 +170,29 @@ class BoxTransform:
         one, zero = torch.ones_like(y), torch.zeros_like(y)
         d1 = torch.where(
             self.both,
-            width * torch.sin(2 * y),
+            width * torch.cos(y) / 2,
             torch.where(self.lo, y / root, torch.where(self.hi, -y / root, one)),
         )
         d2 = torch.where(
             self.both,
-            2 * width * torch.cos(2 * y),
+            -width * torch.sin(y) / 2,
             torch.where(self.lo, root**-3, torch.where(self.hi, -(root**-3), zero)),
         )
         return d1, d2
 
     def start_size(self, y: Tensor) -> Tensor:
-        """The size of a start, in units of the free variable.
+        """The size of a start in the free variable, for MINPACK's first trust region.
 
-        MINPACK sizes its first trust region by ``|x₀|``; a bounded coordinate counts
-        its distance to the nearer bound too, where that is larger (a start at 0 in the
-        middle of ``(-1, 1)`` has size 1, not 0).  Divided by ``|x'(y)|`` to be a length
-        in ``y``; ``|y|`` where ``x' = 0`` or ``x`` is unbounded and unscaled.
+        MINPACK sizes that region by ``|x₀|``; measured in ``y`` alone a start in the
+        middle of a two-sided box has size 0 (``y = 0``) whatever ``x₀`` is, and the
+        region could not leave it.  So a bounded coordinate counts the larger of ``|y|``
+        and ``|x| / |x'(y)|``, its size in ``x`` expressed in ``y`` (a start at 500 in
+        the middle of ``(0, 1000)`` has size 1).  Unbounded coordinates count ``|y|``.
         """
         d1, _ = self.derivatives(y)
         x = self.to_x(y)
-        inf = torch.full_like(x, math.inf)
-        gap = torch.minimum(
-            torch.where(self.lo, x - self.lb, inf), torch.where(self.hi, self.ub - x, inf)
-        )
-        size = torch.where(self.lo | self.hi, torch.maximum(x.abs(), gap), x.abs())
-        return torch.where(d1 != 0, size / d1.abs(), y.abs())
+        in_x = torch.where(d1 != 0, x.abs() / d1.abs(), torch.zeros_like(x))
+        return torch.where(self.lo | self.hi, torch.maximum(y.abs(), in_x), y.abs())
 
     def strictly_feasible(self, x: Tensor) -> Tensor:
         """Move points on a bound slightly inside, where the change of variables has slope."""

@@ -555,6 +555,39 @@ def test_a_start_at_the_middle_of_two_sided_bounds_moves_to_scipys_solution(
     np.testing.assert_allclose(popt, ref_popt, rtol=1e-6)
 
 
+@pytest.mark.parametrize("half_width", [1e6, 1e12, 1e20])
+def test_the_middle_of_a_wide_box_is_exact(half_width: float) -> None:
+    # Wide finite bounds standing in for infinite ones: x0 = 0 in the middle must be
+    # evaluated as 0 (not 0 ± w·1e-16), and the fit must reach scipy's answer.
+    seen: list[float] = []
+
+    def fun(p: np.ndarray) -> np.ndarray:
+        seen.append(float(p[0]))
+        return np.array([p[0] - 0.5, 0.1 * (p[0] - 0.5) ** 2])
+
+    res = so.least_squares(fun, np.zeros(1), bounds=(-half_width, half_width))
+    assert seen[0] == 0.0
+    assert res.success
+    assert res.x[0] == pytest.approx(0.5, rel=1e-7)
+
+
+def test_a_start_on_a_bound_leaves_it() -> None:
+    # p0 = 0 on the lower bound 0 of (0, 10): the start is moved inside by 1e-10 and
+    # the first trust region must still let the fit go where scipy's reaches from p0 = 1.
+    t = np.linspace(0.0, 4.0, 50)
+    y = 2.5 * np.exp(-1.3 * t) + 0.3 + 0.02 * np.random.default_rng(0).standard_normal(t.size)
+
+    def fun(p: np.ndarray) -> np.ndarray:
+        return p[0] * np.exp(-p[1] * t) + p[2] - y
+
+    bounds = ([0.0, 0.0, 0.0], [10.0, 10.0, 10.0])
+    ref = scipy.optimize.least_squares(fun, np.ones(3), bounds=bounds)
+    res = so.least_squares(fun, np.zeros(3), bounds=bounds)
+    assert res.success
+    assert res.cost == pytest.approx(ref.cost, rel=1e-6)
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-4)
+
+
 @pytest.mark.parametrize("loss", ["soft_l1", "huber", "cauchy", "arctan"])
 def test_robust_loss_reports_scipys_scaled_jacobian(loss: str) -> None:
     # scipy's res.jac under a robust loss is J with rows scaled by √(ρ' + 2zρ'') (floored

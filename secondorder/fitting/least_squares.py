@@ -786,7 +786,7 @@ def _solve(
         # the bounds' free variable it is the size of y₀, which says nothing of x₀: at
         # the middle of two-sided bounds (curve_fit's start without p0) y₀ = 0 and the
         # region would start at `factor` in D's units, far too small to leave the
-        # start.  So the size is x₀'s, in the free variable's units.
+        # start.  So x₀'s size counts too, in the free variable's units (start_size).
         col = system.col_sq if system.scale_sq is None else system.scale_sq
         d = matrix.diagonal(col, replace(state), config.damping_min)
         size = problem.bounds.start_size(y).to(torch.float64)

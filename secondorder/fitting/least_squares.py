@@ -31,7 +31,6 @@ from ..lm.damping import (
     DAMPING_MATRICES,
     FITTING_DAMPING_RULES,
     DampingState,
-    TrustRegionRule,
     make_damping_matrix,
     make_damping_rule,
 )
@@ -781,16 +780,12 @@ def _solve(
     if xtol_in_x:
         config = replace(config, xtol=0.0)
     system = _first_system(problem, y)
-    if isinstance(rule, TrustRegionRule) and problem.bounds.bounded:
-        # MINPACK's first radius is factor·‖D^½x₀‖, the size of the start.  Measured in
-        # the bounds' free variable it is the size of y₀, which says nothing of x₀: at
-        # the middle of two-sided bounds (curve_fit's start without p0) y₀ = 0 and the
-        # region would start at `factor` in D's units, far too small to leave the
-        # start.  So x₀'s size counts too, in the free variable's units (start_size).
-        col = system.col_sq if system.scale_sq is None else system.scale_sq
-        d = matrix.diagonal(col, replace(state), config.damping_min)
-        size = problem.bounds.start_size(y).to(torch.float64)
-        rule.start(state, float(torch.linalg.vector_norm(d.to(torch.float64).sqrt() * size)))
+    # MINPACK's first trust radius is factor·‖D^½x₀‖, the size of the start.  Measured
+    # in the bounds' free variable it is the size of y₀, which says nothing of x₀: at
+    # the middle of two-sided bounds (curve_fit's start without p0) y₀ = 0 and the
+    # region would start at `factor` in D's units, far too small to leave the start.
+    # So x₀'s size counts too, in the free variable's units (start_size).
+    size = bounds.start_size(y) if bounds.bounded else None
     status, reason = 0, ""
     history = [0.5 * float(system.loss_sum)]
     printer = _Printer(opts.verbose == 2 and opts.method != "lm")
@@ -814,6 +809,7 @@ def _solve(
             state=state,
             config=config,
             max_attempts=remaining,
+            size=size if state.radius is None else None,
         )
         reason = out.reason
         if out.accepted:
@@ -921,7 +917,7 @@ def _reported_jacobian(f: Tensor, J: Tensor, opts: _Options) -> Tensor:
     ``JᵀJ`` is the Gauss-Newton model of the robust cost's Hessian, which is what
     :func:`~secondorder.fitting.covariance` (and scipy's ``curve_fit``) invert.
     """
-    if isinstance(opts.loss, str) and opts.loss == "linear":
+    if opts.loss == "linear":
         return J
     z = (f / opts.f_scale) ** 2
     _, d1, d2 = rho(opts.loss, z)

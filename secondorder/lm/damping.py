@@ -198,18 +198,6 @@ class TrustRegionRule(DampingRule):
         check_number("factor", factor, above=0, type_error=False)
         self.factor = float(factor)
 
-    def start(self, state: DampingState, scaled_xnorm: float) -> None:
-        """Set the first radius, ``factor·scaled_xnorm`` (``factor`` if 0), unless set.
-
-        :meth:`choose` calls it with ``‖D^½x‖``; a caller whose variable is not the
-        one the problem is posed in (a change of variables for bounds) may call it
-        first with the size of the start in the problem's own units.
-        """
-        if state.radius is None:
-            state.radius = self.factor * scaled_xnorm if scaled_xnorm > 0 else self.factor
-            # ν = 1 marks the first step, after which Δ shrinks to the step (MINPACK).
-            state.nu = 1.0
-
     def choose(  # noqa: D102
         self,
         state: DampingState,
@@ -217,8 +205,10 @@ class TrustRegionRule(DampingRule):
         scaled_xnorm: float,
         scaled_gnorm: float,
     ) -> float:
-        self.start(state, scaled_xnorm)
-        assert state.radius is not None
+        if state.radius is None:
+            state.radius = self.factor * scaled_xnorm if scaled_xnorm > 0 else self.factor
+            # ν = 1 marks the first step, after which Δ shrinks to the step (MINPACK).
+            state.nu = 1.0
         radius = state.radius
         gauss_newton = scaled_norm(0.0)
         if gauss_newton is not None and gauss_newton <= 1.1 * radius:

@@ -181,7 +181,9 @@ class _Loop:
     reason: str = "attempts exhausted without reducing the loss"
     rho: float = 0.0
     cg_iterations: int = 0
-    #: ``(‖D^½x‖, ‖D^-½Jᵀr‖)`` for a rule that chooses λ itself, read once.
+    #: The magnitude of each coordinate of x, where ``|x|`` is not it (else ``None``).
+    size: Tensor | None = None
+    #: ``(‖D^½·size‖, ‖D^-½Jᵀr‖)`` for a rule that chooses λ itself, read once.
     scaled_norms: tuple[float, float] | None = None
     #: The LM direction at the λ the rule chose, kept from its search.
     chosen: tuple[float, Tensor] | None = None
@@ -254,11 +256,14 @@ def iterate(
     config: EngineConfig,
     lr: float = 1.0,
     max_attempts: int | None = None,
+    size: Tensor | None = None,
 ) -> Outcome:
     """Run the attempts of one LM iteration from ``x``, linearised as ``system``.
 
     ``state`` (λ, ν, Moré scale) is updated in place.  ``x`` is never modified; the
-    returned ``Outcome.x`` is a new tensor when a step was accepted.
+    returned ``Outcome.x`` is a new tensor when a step was accepted.  ``size``: the
+    magnitude of each coordinate of ``x`` a trust region's first radius is measured
+    from (``‖D^½·size‖``), where ``|x|`` is not it (``x`` a change of variables).
     """
     # Host synchronisations: one here (loss and gtol test, shared with the caller's
     # finiteness check), then per attempt one before the trial evaluation (did the
@@ -311,6 +316,7 @@ def iterate(
         xnorm0=None if fact.on_host else torch.linalg.vector_norm(x, dtype=torch.float64),
         w=_residual_w(system, fact),
         host=_HostView.of(x, system, d, fact) if fact.on_host else None,
+        size=size,
     )
     allowed = config.max_attempts if max_attempts is None else max_attempts
     attempt = 0
@@ -472,8 +478,10 @@ def _choose(loop: _Loop) -> float:
         if loop.scaled_norms is None:
             view = loop.host
             assert view is not None
+            size = view.x if loop.size is None else loop.size.to(torch.float64).numpy()
             with np.errstate(all="ignore"):
-                xs, gs = view.sqrt_d * view.x, view.grad / view.sqrt_d
+                xs = view.sqrt_d * size
+                gs = view.grad / view.sqrt_d
                 loop.scaled_norms = (math.sqrt(float(xs.dot(xs))), math.sqrt(float(gs.dot(gs))))
         w = loop.w
         assert w is not None
@@ -486,9 +494,10 @@ def _choose(loop: _Loop) -> float:
         wide = torch.float64
         sqrt_d = loop.d.to(wide).sqrt()
         if loop.scaled_norms is None:
+            at = x if loop.size is None else loop.size
             xs_norm, gs_norm = torch.stack(
                 [
-                    torch.linalg.vector_norm(sqrt_d * x.to(wide)),
+                    torch.linalg.vector_norm(sqrt_d * at.to(wide)),
                     torch.linalg.vector_norm(system.grad.to(wide) / sqrt_d),
                 ]
             ).tolist()

@@ -47,6 +47,7 @@ from secondorder.lm import LevenbergMarquardt
 from secondorder.lm.residuals import mse
 
 from .core import run_line, settled_heap
+from .lm_floor import median_time
 from .workloads import mlp, sinc_data
 
 #: (module or class, attribute, stage) wrapped to time the stages inside a step.
@@ -69,16 +70,6 @@ def _timed(fn: Callable[..., Any], stage: str, spent: dict[str, float]) -> Calla
             spent[stage + " calls"] += 1
 
     return wrapper
-
-
-def _median_s(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,17 +124,17 @@ def main(argv: list[str] | None = None) -> int:
 
     n = sum(p.numel() for p in ours.param_groups[0]["params"])
     j = torch.randn(x.shape[0], n + 1)  # J with r as its last column, as the step forms it
-    gemm = _median_s(lambda: j.T @ j, args.reps)
+    gemm = median_time(lambda: j.T @ j, args.reps)
     syrk: float | None = None
     try:
         from scipy.linalg.blas import ssyrk
 
         a = j.numpy()
-        syrk = _median_s(lambda: ssyrk(1.0, a.T, trans=0), args.reps)
+        syrk = median_time(lambda: ssyrk(1.0, a.T, trans=0), args.reps)
     except ImportError:  # pragma: no cover - scipy is a dependency
         pass
     big = torch.randn(2000, 2000)
-    peak = 2 * 2000**3 / _median_s(lambda: big @ big, args.reps)
+    peak = 2 * 2000**3 / median_time(lambda: big @ big, args.reps)
 
     med = {k: statistics.median(v) for k, v in per_step.items()}
     step, other = statistics.median(times["ours"]), statistics.median(times["peer"])

@@ -40,11 +40,17 @@ def small_problem(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]
 
 
 def test_sinc_float32_reaches_1e_6():
-    """The demo problem on fewer points, float32: MSE <= 1e-6 within 300 steps."""
+    """The demo problem on fewer points, float32: MSE <= 1e-6 within 1,000 steps.
+
+    The step count is chaotic in the last bit of the kernels: from this seed it was
+    under 300 on the CPU it was written on and 648 on another (a slow valley near MSE
+    2e-3). The
+    bound leaves room for that; a stall on the plateau still fails it.
+    """
     x, y = sinc_data(2_000)
     model = sinc_model(seed=0)
     opt = so.LevenbergMarquardt(model, so.residuals.mse)
-    for _ in range(300):
+    for _ in range(1_000):
         info = opt.step(x, y)
         if info.loss <= 1e-6 or info.terminated:
             break

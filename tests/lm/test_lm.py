@@ -44,8 +44,7 @@ def test_sinc_float32_reaches_1e_6():
 
     The step count is chaotic in the last bit of the kernels: from this seed it was
     under 300 on the CPU it was written on and 648 on another (a slow valley near MSE
-    2e-3). The
-    bound leaves room for that; a stall on the plateau still fails it.
+    2e-3). The bound leaves room for that; a stall on the plateau still fails it.
     """
     x, y = sinc_data(2_000)
     model = sinc_model(seed=0)

@@ -4,12 +4,15 @@
 shapes of data, so they share these helpers: a batch is ``(inputs, targets)`` (a tuple or
 list of two, ``targets`` may be ``None``) or a bare ``inputs`` tensor.  ``inputs`` may
 itself be a tuple or list of tensors, for a model of several inputs: ``((x1, x2), y)`` is
-one batch whose model is called as ``model((x1, x2))``.
+one batch whose model is called as ``model((x1, x2))``; or a dict of tensors, as
+Hugging Face-style models take them: ``({"input_ids": ids, "mask": m}, y)`` calls
+``model({"input_ids": ids, "mask": m})``, one argument, as LevenbergMarquardt's ``step``
+does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -18,9 +21,11 @@ __all__ = ["batch_size", "batches", "is_single_batch", "split_batch"]
 
 
 def _is_inputs(item: Any) -> bool:
-    """Whether ``item`` is the inputs of one batch: a tensor or a tuple/list of tensors."""
+    """Whether ``item`` is the inputs of one batch: a tensor, or a tuple, list or dict of them."""
     if isinstance(item, Tensor):
         return True
+    if isinstance(item, Mapping):
+        item = list(item.values())
     return (
         isinstance(item, (tuple, list))
         and len(item) > 0
@@ -32,9 +37,19 @@ def batch_size(inputs: Any, targets: Any) -> int:
     """Samples in a batch: the targets' length, else that of the (first) input tensor."""
     if targets is not None:
         return len(targets)
+    if isinstance(inputs, Mapping):
+        inputs = list(inputs.values())
     if isinstance(inputs, (tuple, list)) and inputs and isinstance(inputs[0], Tensor):
         return len(inputs[0])
     return len(inputs)
+
+
+def _extra_items(count: int, where: str) -> TypeError:
+    return TypeError(
+        f"{where} has {count} items; fit takes (inputs, targets). Pass further per-sample "
+        "tensors (sample weights, masks) with the inputs, ((x, w), y) or ({'x': x, 'w': w}, "
+        "y), and use them in the model, or write the training loop by hand"
+    )
 
 
 def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
@@ -47,6 +62,8 @@ def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
         return batch, None
     if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):
         return batch[0], (batch[1] if len(batch) == 2 else None)
+    if isinstance(batch, (tuple, list)) and _is_inputs(batch[0]):
+        raise _extra_items(len(batch), where)
     size = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
     raise TypeError(
         f"{where} must be (inputs, targets) (a tuple or list of 2), got "
@@ -78,6 +95,10 @@ def batches(data: Any, name: str) -> Callable[[], Iterator[tuple[Any, Any]]]:
     if is_single_batch(data):
         single = (data[0], data[1])
         return lambda: iter([single])
+    if isinstance(data, tuple) and len(data) > 2 and all(isinstance(t, Tensor) for t in data):
+        # A tuple of tensors is one batch with extra items, not a collection of batches
+        # (a collection is a list, a DataLoader or an iterator).
+        raise _extra_items(len(data), name)
     if isinstance(data, Tensor):
         raise TypeError(
             f"{name} must be an (inputs, targets) tuple or an iterable of such batches, "

@@ -361,8 +361,10 @@ def test_bad_optimizer_and_data_are_named():
         fit(opt, x, progress=False)
     with pytest.raises(TypeError, match=r"data must be an .* got int"):
         fit(opt, 3, progress=False)
-    with pytest.raises(TypeError, match="each batch of data must be \\(inputs, targets\\)"):
+    with pytest.raises(TypeError, match=r"each batch of data has 3 items; fit takes \(inputs"):
         fit(opt, [(x, y, y)], progress=False)
+    with pytest.raises(TypeError, match=r"each batch of data must be \(inputs, targets\)"):
+        fit(opt, [(1, 2, 3)], progress=False)
     with pytest.raises(ValueError, match="data is a one-shot iterator"):
         fit(opt, iter([(x, y)]), epochs=2, progress=False, stop_on_terminated=False)
     with pytest.raises(ValueError, match="validation is a one-shot iterator"):

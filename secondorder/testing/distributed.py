@@ -88,6 +88,12 @@ def _rank_main(
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
+        if backend == "gloo":
+            # A rank's init can return before its peers have finished connecting to it;
+            # one that then finished fn and left would break a slower peer's init
+            # ("connectFullMesh failed") on a loaded machine. (NCCL ranks set their
+            # device in fn first, so they meet in their first collective instead.)
+            dist.barrier()
         result: dict[str, Any] = {"value": fn(rank, world, *args)}
     except BaseException as exc:  # reported to the parent, which decides what it means
         result = {

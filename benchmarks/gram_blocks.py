@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-import secondorder.linalg as linalg
+import secondorder.lm.linalg.gram as linalg
 
 
 def with_blocks(jac: torch.Tensor, k: int) -> torch.Tensor:

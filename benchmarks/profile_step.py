@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 import secondorder as so
-from secondorder.jacobian import _VmapReverse
-from secondorder.linalg import gram_update
+from secondorder.lm.jacobian import _VmapReverse
+from secondorder.lm.linalg import gram_update
 
 
 def make_model(hidden: int) -> nn.Module:

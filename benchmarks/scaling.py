@@ -4,7 +4,7 @@
 
 **Measures** seconds per step of one fixed problem (strong scaling: the global batch
 is split over the ranks) on 1, 2 and 4 gloo processes on this machine's CPU, for
-the three ways an LM step meets the ranks (:mod:`secondorder.distributed.solve`):
+the three ways an LM step meets the ranks (:mod:`secondorder.lm.linalg`):
 
 * ``primal``: the n×n Gram is all-reduced, every rank factors it (cholesky);
 * ``dual``: the m rows of J are all-gathered, every rank factors ``J D⁻¹Jᵀ``;
@@ -130,25 +130,24 @@ def step_traffic(
         plan_candidates: (solver, form) pairs the memory planner weighs; one for a
             fixed solver and form, up to three under ``solver="auto"``.
 
-    Per step, whatever the form: the batch check with every rank's ``lr``
-    (``2·world + 1`` float64), the memory plan's agreement on which candidates fit
-    (one float64 each), the reduced loss, residual count, a failure flag, ``Jᵀr`` and
-    ``diag(JᵀJ)`` (one call), and the agreement on whether the factorisation
-    succeeded (2 float64).  Per attempt: the step broadcast from rank 0 (``n + 1``
-    numbers), ``‖Jδ‖²`` (broadcast, or summed over the rows of each rank for CG) and
-    the loss at the trial point with its residual-count check and a failure flag (5
-    float64).  Then the
-    form's own: the Gram (``n²``, primal); the row counts (``2·world`` int64) and the
-    rows of J with their residuals (``rows·(n + 1)``, dual); ``n`` numbers per CG
-    iteration.
+    Per step, whatever the form: the batch check, each rank's failure flag, residual
+    count and ``lr`` (``3·world`` float64), the memory plan's agreement on which
+    candidates fit (``world`` float64 each), the reduced loss, residual count, a
+    failure flag, ``Jᵀr`` and ``diag(JᵀJ)`` (one call), and the agreement on whether
+    the factorisation succeeded (2 float64).  Per attempt: the step broadcast from
+    rank 0 (``n + 1`` numbers), ``‖Jδ‖²`` (broadcast, or summed over the rows of each
+    rank for CG) and the loss at the trial point with its residual-count check and a
+    failure flag (5 float64).  Then the form's own: the Gram (``n²``, primal); the row
+    counts (``2·world`` int64) and the rows of J with their residuals
+    (``rows·(n + 1)``, dual); ``n`` numbers per CG iteration.
     """
     if form not in FORMS:
         raise ValueError(f"Unknown form={form!r}; valid choices are {tuple(FORMS)}.")
     if world <= 1:
         return Traffic()
     f64 = 8
-    t = Traffic(allreduce=(2 * world + 1) * f64, allreduce_calls=1)  # the batch check, lr
-    t += Traffic(allreduce=plan_candidates * f64, allreduce_calls=1)  # the memory plan
+    t = Traffic(allreduce=3 * world * f64, allreduce_calls=1)  # the batch check, lr
+    t += Traffic(allreduce=world * plan_candidates * f64, allreduce_calls=1)  # the memory plan
     # loss, residual count, failure flag, Jᵀr, diag(JᵀJ)
     t += Traffic(allreduce=3 * f64 + 2 * n * itemsize, allreduce_calls=1)
     if form == "primal":

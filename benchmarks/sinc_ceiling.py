@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 import secondorder.lm.jacobian as jacobian
-import secondorder.lm.linalg as linalg
+import secondorder.lm.linalg.cholesky as linalg
 import secondorder.lm.problem as problem
 from secondorder.lm import LevenbergMarquardt
 from secondorder.lm.residuals import mse

@@ -15,9 +15,6 @@ One package per family, sharing one distributed layer and one training loop:
   family; :mod:`secondorder.testing`: the multi-process launcher their tests share.
 """
 
-import sys as _sys
-from importlib import import_module as _import_module
-
 from . import distributed, fitting, kfac, lm, shampoo, training
 from .fitting import (
     FitReport,
@@ -119,28 +116,3 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-# The module paths of the flat layout the families replaced (``from secondorder.fit
-# import fit``, ``from secondorder.linalg import NormalEquations``) keep importing the
-# same modules, so code written against them runs unchanged.
-for _old, _new in {
-    "backends": "lm.backends",
-    "config": "lm.config",
-    "curve_fit": "fitting.curve_fit",
-    "damping": "lm.damping",
-    "distributed.solve": "lm.sharded",
-    "engine": "lm.engine",
-    "fit": "training.fit",
-    "jacobian": "lm.jacobian",
-    "least_squares": "fitting.least_squares",
-    "linalg": "lm.linalg",
-    "planner": "lm.planner",
-    "precision": "lm.precision",
-    "residuals": "lm.residuals",
-}.items():
-    _module = _import_module(f"{__name__}.{_new}")
-    _sys.modules.setdefault(f"{__name__}.{_old}", _module)
-    _parent, _, _leaf = f"{__name__}.{_old}".rpartition(".")
-    if not hasattr(_sys.modules[_parent], _leaf):  # so.engine; so.fit stays the function
-        setattr(_sys.modules[_parent], _leaf, _module)
-del _old, _new, _module, _parent, _leaf

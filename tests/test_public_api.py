@@ -63,39 +63,22 @@ def test_everything_in_all_resolves() -> None:
         assert getattr(so, name) is not None, name
 
 
-# The flat layout before the family packages: module path -> where the code lives now.
-OLD_PATHS = {
-    "secondorder.backends": "secondorder.lm.backends",
-    "secondorder.config": "secondorder.lm.config",
-    "secondorder.curve_fit": "secondorder.fitting.curve_fit",
-    "secondorder.damping": "secondorder.lm.damping",
-    "secondorder.distributed.solve": "secondorder.lm.sharded",
-    "secondorder.engine": "secondorder.lm.engine",
-    "secondorder.fit": "secondorder.training.fit",
-    "secondorder.jacobian": "secondorder.lm.jacobian",
-    "secondorder.least_squares": "secondorder.fitting.least_squares",
-    "secondorder.linalg": "secondorder.lm.linalg",
-    "secondorder.planner": "secondorder.lm.planner",
-    "secondorder.precision": "secondorder.lm.precision",
-    "secondorder.residuals": "secondorder.lm.residuals",
-}
+# Module paths of a layout that was never released: they are gone, not aliased.
+NO_ALIASES = (
+    "secondorder.backends",
+    "secondorder.config",
+    "secondorder.engine",
+    "secondorder.jacobian",
+    "secondorder.linalg",
+    "secondorder.planner",
+    "secondorder.precision",
+    "secondorder.residuals",
+    "secondorder.lm.sharded",
+    "secondorder.lm.cg",
+)
 
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_module_paths_of_the_flat_layout_still_import(old: str) -> None:
-    assert importlib.import_module(old) is importlib.import_module(OLD_PATHS[old])
-
-
-def test_old_from_imports_keep_working() -> None:
-    from secondorder.curve_fit import curve_fit, fit_report
-    from secondorder.fit import CSVLogger, fit
-    from secondorder.lm import LevenbergMarquardt, StepInfo
-    from secondorder.residuals import ModelResidual, mse
-
-    assert fit is so.fit and curve_fit is so.curve_fit and fit_report is so.fit_report
-    assert CSVLogger is so.CSVLogger and LevenbergMarquardt is so.LevenbergMarquardt
-    assert StepInfo is so.StepInfo and ModelResidual is so.ModelResidual
-    assert mse is so.residuals.mse
-    # so.fit and so.curve_fit stay the functions; the modules keep their attributes.
-    assert callable(so.fit) and callable(so.curve_fit)
-    assert so.engine is importlib.import_module("secondorder.lm.engine")
+@pytest.mark.parametrize("old", NO_ALIASES)
+def test_flat_layout_module_paths_are_not_aliased(old: str) -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)

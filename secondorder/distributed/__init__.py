@@ -18,9 +18,14 @@ in the same order:
 * :meth:`Reducer.check_agree`: verify that settings that must be equal are equal,
   and raise an error naming the ones that differ.
 
-:mod:`secondorder.distributed.solve` holds the linear algebra that runs on top of a
-reducer: the matrix-free CG whose products are summed across ranks, and the wrapper
-that makes every rank take the root's step.
+On these the reducer builds what the numerics ask of the other participants, each
+the identity on one process: :meth:`Reducer.hold` and :meth:`Reducer.raise_together`
+(agree on a failure: every participant raises, or none),
+:meth:`Reducer.gather_values` (a few numbers from each participant),
+:meth:`Reducer.root_value` (the root's bits everywhere) and :meth:`Reducer.total`.
+The numerics therefore never ask how many participants there are.  The linear
+algebra on top of a reducer (CG whose products are summed across ranks, the wrapper
+that makes every rank take the root's step) is in :mod:`secondorder.lm.linalg`.
 """
 
 from __future__ import annotations
@@ -30,9 +35,16 @@ from typing import Any
 import torch
 
 from .process_group import CollectiveError, ProcessGroupReducer
-from .reducer import LocalReducer, Reducer
+from .reducer import LocalReducer, RankFailedError, Reducer
 
-__all__ = ["CollectiveError", "LocalReducer", "ProcessGroupReducer", "Reducer", "resolve_reducer"]
+__all__ = [
+    "CollectiveError",
+    "LocalReducer",
+    "ProcessGroupReducer",
+    "RankFailedError",
+    "Reducer",
+    "resolve_reducer",
+]
 
 
 def resolve_reducer(reducer: Reducer | None, process_group: Any = None) -> Reducer:

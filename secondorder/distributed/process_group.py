@@ -12,7 +12,7 @@ Why every rank ends a step with bitwise-identical parameters:
    ``all_reduce``.  Gloo and NCCL compute each element of the sum once and copy it to
    every rank (ring and tree algorithms alike), so the ranks receive the same bits.
 2. The step δ of every attempt is broadcast from rank 0 before the trial point is
-   evaluated (:class:`~secondorder.distributed.solve.BroadcastSolver`), and so is
+   evaluated (:class:`~secondorder.lm.linalg.BroadcastSolver`), and so is
    the model curvature ``‖Jδ‖²`` of the predicted reduction.  A solver that is not
    bitwise reproducible across ranks (multi-threaded BLAS with different thread
    counts, cuSOLVER on different GPU models) therefore still yields one step.

@@ -5,9 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["LocalReducer", "Reducer"]
+__all__ = ["LocalReducer", "RankFailedError", "Reducer"]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank raised during the rank-local part of a step; see its error."""
 
 
 class Reducer:
@@ -64,6 +69,101 @@ class Reducer:
         ascending.
         """
         raise NotImplementedError
+
+    # -- what the numerics ask of the participants, built on the collectives above --------
+    @property
+    def is_identity(self) -> bool:
+        """Whether every collective is the identity: this participant's share is the whole."""
+        return self.world_size == 1
+
+    def hold(self, error: Exception) -> Exception:
+        """An error of this participant's local work, held until the others learn of it.
+
+        Alone, the error is raised at once.  With others, they are on their way into
+        a collective: the caller joins it with zeros of the same shapes and a failure
+        flag, then calls :meth:`raise_together`, so that every participant raises and
+        the group stays in step for the next call.
+        """
+        if self.is_identity:
+            raise error
+        return error
+
+    def raise_together(self, error: Exception | None, failures: Tensor | float, what: str) -> None:
+        """After a sum that carried the failure flags: every participant raises, or none.
+
+        ``failures``: the summed flags (read only where there are other participants).
+        """
+        if error is not None:
+            raise error
+        if self.is_identity:
+            return
+        failed = int(failures)
+        if failed:
+            raise RankFailedError(
+                f"{failed} of {self.world_size} ranks raised while {what} (see the error "
+                "raised there); every rank raises with it, so no rank changed its parameters "
+                "and the process group stays usable: a loop that catches the error may go on "
+                "with the next batch."
+            )
+
+    def gather_values(self, values: Sequence[float], device: Any = None) -> list[list[float]]:
+        """Every participant's ``values`` (a few numbers of the same length), in rank order.
+
+        One sum of a ``world × len(values)`` float64 table, on ``device`` (where the
+        collectives run); alone, ``[values]`` without touching a device.
+        """
+        if self.is_identity:
+            return [list(values)]
+        table = torch.zeros(self.world_size, len(values), dtype=torch.float64, device=device)
+        table[self.rank] = torch.tensor(values, dtype=torch.float64)
+        self.sum_([table])
+        rows: list[list[float]] = table.tolist()
+        return rows
+
+    def gather_rows_together(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """:meth:`gather_rows` of tensors with the same rows (2-D, or 1-D as one column).
+
+        One gather carries them all, side by side; alone, the tensors as given.
+        """
+        if self.is_identity:
+            return list(tensors)
+        columns = [t if t.ndim == 2 else t[:, None] for t in tensors]
+        both = self.gather_rows(torch.cat(columns, dim=1))
+        out: list[Tensor] = []
+        start = 0
+        for t, c in zip(tensors, columns, strict=True):
+            part = both[:, start : start + c.shape[1]]
+            out.append((part if t.ndim == 2 else part[:, 0]).to(t.dtype))
+            start += c.shape[1]
+        return out
+
+    def sum_with_values(self, value: Tensor, values: Sequence[float]) -> tuple[Tensor, list[float]]:
+        """A 0-d float64 ``value`` and a few host numbers, summed in one collective.
+
+        Alone, both as given, without touching a device.
+        """
+        if self.is_identity:
+            return value, list(values)
+        table = torch.tensor([0.0, *values], dtype=torch.float64, device=value.device)
+        table[0] = value
+        self.sum_([table])
+        rest: list[float] = table[1:].tolist()
+        return table[0], rest
+
+    def root_value(self, value: Tensor) -> Tensor:
+        """``value`` as the root computed it: the same bits on every participant."""
+        if self.is_identity:
+            return value
+        shared = value.reshape(-1).clone()
+        self.broadcast_([shared])
+        return shared.view_as(value)
+
+    def total(self, local: int, summed: Tensor) -> int:
+        """An integer count over every participant, from a sum that carried ``local``.
+
+        ``summed`` is read from the device only where there are other participants.
+        """
+        return local if self.is_identity else int(summed)
 
 
 def check_partition(groups: Sequence[Sequence[int]], world_size: int) -> int:

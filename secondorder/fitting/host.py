@@ -19,14 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..lm.linalg import (
-    HOST_MAX_N,
-    Factorization,
-    NormalEquations,
-    QRSolver,
-    _HostSVD,
-    _upper,
-)
+from ..lm.linalg import HOST_MAX_N, Factorization, NormalEquations, QRSolver
+from ..lm.linalg.host_svd import HostSVD, _upper
+from ..lm.precision import NATIVE, StepPrecision
 
 __all__ = ["HostQRSolver", "has_lapack_gufuncs"]
 
@@ -56,32 +51,36 @@ class HostQRSolver(QRSolver):
     Any other system goes to ``QRSolver(host=True)`` unchanged.
     """
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
-        super().__init__(dtype, host=True)
+    def __init__(self) -> None:
+        super().__init__(host=True)
 
     def factor(  # noqa: D102
-        self, system: NormalEquations, d: torch.Tensor, uniform: bool = False
+        self,
+        system: NormalEquations,
+        d: torch.Tensor,
+        uniform: bool = False,
+        precision: StepPrecision = NATIVE,
     ) -> Factorization:
         arrays = system.host
         if (
             _LAPACK is None
             or arrays is None
             or system.residuals is None
-            or self.dtype not in (None, torch.float64)
+            or precision.dtype not in (None, torch.float64)
             or d.dtype != torch.float64
             or not d.is_cpu
         ):
-            return super().factor(system, d, uniform)
+            return super().factor(system, d, uniform, precision)
         m, n = arrays.jac.shape
         if m < n or n > HOST_MAX_N:
-            return super().factor(system, d, uniform)
+            return super().factor(system, d, uniform, precision)
         # The engine read the scalars before factoring: finite means J (through its
         # column norms) and r (through the loss) hold finite numbers only.
         return _LeanHostSVD.build(arrays.jac, arrays.residuals, d.numpy(), system.scalars()[0])
 
 
-class _LeanHostSVD(_HostSVD):
-    """:class:`~secondorder.lm.linalg._HostSVD`'s factorisation, LAPACK called directly.
+class _LeanHostSVD(HostSVD):
+    """:class:`~secondorder.lm.linalg.host_svd.HostSVD`'s factorisation, LAPACK called directly.
 
     The same arrays in the same layouts go to the same gufuncs ``np.linalg`` calls
     (``qr_r_raw`` on an F-ordered ``[J, -r]``, ``svd_s`` on ``R0 D^-½``, ``solve1`` for

@@ -230,29 +230,21 @@ def check_step(
             ) from None
         lr = float(lr)
     except Exception as exc:
-        if reducer.world_size == 1:
-            raise
-        error = exc
-    if reducer.world_size == 1:
-        return StepCheck(batch, m, m, lr, probed)
-    world = reducer.world_size
-    # [failed flag per rank | residual count | lr per rank]; float64 holds a Python
-    # float's lr exactly, so equal settings compare equal bit for bit.
-    tally = torch.zeros(2 * world + 1, dtype=torch.float64, device=function.group.solver)
-    tally[reducer.rank] = 1.0 if error is not None else 0.0
-    tally[world] = float(m)
-    tally[world + 1 + reducer.rank] = lr
-    reducer.sum_([tally])
+        error = reducer.hold(exc)
+    # Each rank's failure flag, residual count and lr; float64 holds a Python float's
+    # lr exactly, so equal settings compare equal bit for bit.
+    rows = reducer.gather_values(
+        [1.0 if error is not None else 0.0, float(m), lr], function.group.solver
+    )
     if error is not None:
         raise error
-    values = tally.tolist()
-    failed = [i for i in range(world) if values[i] > 0]
+    failed = [i for i, row in enumerate(rows) if row[0] > 0]
     if failed:
         raise ValueError(
-            f"step() rejected the batch on rank(s) {failed} of {world}; see the error "
+            f"step() rejected the batch on rank(s) {failed} of {len(rows)}; see the error "
             "raised there. No rank changed its parameters."
         )
-    lrs = values[world + 1 :]
+    lrs = [row[2] for row in rows]
     if any(v != lrs[0] for v in lrs):
         shown = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(lrs))
         raise ValueError(
@@ -261,7 +253,7 @@ def check_step(
             "rank (change it, or step a scheduler, in code that runs on all ranks). No "
             "rank changed its parameters."
         )
-    return StepCheck(batch, m, int(values[world]), lr, probed)
+    return StepCheck(batch, m, int(sum(row[1] for row in rows)), lr, probed)
 
 
 def _check_param_groups(function: ModelFunction, param_groups: list[dict[str, Any]]) -> None:

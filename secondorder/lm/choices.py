@@ -35,7 +35,6 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from ..distributed import Reducer
-from .backends import make_backend_solver
 from .batch import RowsCheck
 from .config import LMConfig
 from .jacobian import (
@@ -50,7 +49,7 @@ from .jacobian import (
     make_jacobian,
     random_message,
 )
-from .linalg import LinearSolver, NormalEquations
+from .linalg import LinearSolver, make_solver
 from .model import ModelFunction, interacting_modules, slice_tree
 from .planner import (
     USABLE_FRACTION,
@@ -60,11 +59,10 @@ from .planner import (
     available_range,
     plan_memory,
 )
-from .precision import DualFloorCheck, GramPrecision, reduced_float32_products
-from .problem import BatchSetup, raise_if_failed
-from .sharded import BroadcastSolver, ShardedCGSolver
+from .precision import PrecisionRule, StepPrecision
+from .problem import BatchSetup
 
-__all__ = ["Choices", "normal_matrix_dtype", "set_dual_check", "set_solver_dtype"]
+__all__ = ["Choices"]
 
 #: Entries of J (probe rows × parameters) above which the Jacobian check is skipped.
 PROBE_ENTRIES = 1 << 24
@@ -91,31 +89,6 @@ class _KeptPlan:
     unread: int = 0
 
 
-def set_solver_dtype(solver: LinearSolver, dtype: torch.dtype) -> None:
-    """Make ``solver`` (or the solver a distributed wrapper runs) factor in ``dtype``."""
-    inner = getattr(solver, "inner", solver)
-    if hasattr(inner, "dtype"):
-        inner.dtype = dtype
-
-
-def set_dual_check(solver: LinearSolver, check: DualFloorCheck) -> None:
-    """Let ``solver`` (or the solver a wrapper runs) try a float32 dual matrix first."""
-    inner = getattr(solver, "inner", solver)
-    if hasattr(inner, "dual_check"):
-        inner.dual_check = check
-
-
-def normal_matrix_dtype(solver: LinearSolver, system: NormalEquations) -> str:
-    """The dtype the step's normal matrix is formed and factored in, as a name."""
-    if system.gram is not None:
-        return str(system.gram.dtype).replace("torch.", "")
-    inner = getattr(solver, "inner", solver)
-    if not hasattr(inner, "dtype") or system.jac is None:
-        return ""
-    dtype = inner.dtype or system.jac.dtype
-    return str(dtype).replace("torch.", "")
-
-
 def _signature(inputs: Any, m: int) -> str:
     """What ``jacobian="auto"``'s choice depends on: shapes per sample and rows per sample."""
     leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)]
@@ -130,13 +103,13 @@ class Choices:
     signature; it is part of the optimizer's checkpoint.
     """
 
-    def __init__(self, config: LMConfig, function: ModelFunction, reducer: Reducer) -> None:
+    def __init__(
+        self, config: LMConfig, function: ModelFunction, reducer: Reducer, precision: PrecisionRule
+    ) -> None:
         self.config = config
         self.function = function
         self.reducer = reducer
-        self.precision = GramPrecision(
-            config.gram_dtype, config.gram_auto_tol, config.damping_matrix
-        )
+        self.precision = precision
         self.auto_cache: dict[str, str] = {}
         #: Per input signature, the strategy checked on a probe of its first batch.
         self.checked: dict[str, str] = {}
@@ -166,8 +139,6 @@ class Choices:
         name = self.jacobian(inputs, targets, batch, m, m_total)
         slice_size = slice_size if slice_size is not None else cfg.slice_size
         plan = self.memory_plan(batch, m, m_total, name, slice_size)
-        dtype = fn.params[0].dtype
-        gram_dtype = self.precision.fixed(dtype)
         slices = plan.slice_size
         if slice_size is None and len(fn.group) > 1:
             # At least one slice per device, or some devices would sit idle.
@@ -190,71 +161,25 @@ class Choices:
             batch_size=batch,
             slice_size=slices,
             strategy=strategy,
-            solver=self._solver(plan.solver, gram_dtype),
+            solver=self._solver(plan.solver),
             form=plan.form,
-            gram_dtype=gram_dtype,
-            dual_scale=plan.form == "dual" and self.precision.varies(dtype),
+            precision=StepPrecision(self.precision.fixed),
+            dual_scale=plan.form == "dual" and self.precision.varies,
             pool_rows=plan.pooled_rows,
         )
         return setup, plan
 
-    def _solver(self, name: str, gram_dtype: torch.dtype | None) -> LinearSolver:
+    def _solver(self, name: str) -> LinearSolver:
         cfg = self.config
-        cg: dict[str, Any] = {
-            "cg_rtol": cfg.cg_rtol,
-            "cg_max_iter": cfg.cg_max_iter,
-            "cg_forcing": cfg.cg_forcing,
-        }
-        if cfg.cg_preconditioner != "jacobi":
-            # Only passed when set, so array-module backends see the options they know.
-            cg["cg_preconditioner"] = cfg.cg_preconditioner
-        if self.reducer.world_size == 1:
-            return make_backend_solver(name, cfg.linalg_backend, gram_dtype, **cg)
-        inner = (
-            ShardedCGSolver(
-                self.reducer,
-                cfg.cg_rtol,
-                cfg.cg_max_iter,
-                cfg.cg_forcing,
-                cfg.cg_preconditioner,
-            )
-            if name == "cg"
-            else make_backend_solver(name, cfg.linalg_backend, gram_dtype, **cg)
+        return make_solver(
+            name,
+            backend=cfg.linalg_backend,
+            cg_rtol=cfg.cg_rtol,
+            cg_max_iter=cfg.cg_max_iter,
+            cg_forcing=cfg.cg_forcing,
+            cg_preconditioner=cfg.cg_preconditioner,
+            reducer=self.reducer,
         )
-        return BroadcastSolver(inner, self.reducer)
-
-    # -- the Gram's dtype, per iteration ---------------------------------------------------
-    def varies(self) -> bool:
-        """Whether the Gram's dtype is chosen per iteration (``gram_dtype="auto"``, float32)."""
-        return self.precision.varies(self.function.params[0].dtype)
-
-    def float32_products_certified(self) -> bool:
-        """Whether float32 products keep float32's rounding where slices are computed.
-
-        Not under TF32 (:func:`~secondorder.lm.precision.reduced_float32_products`):
-        read at every iteration, since the switch is global and may change between
-        steps.  Where it fails, ``"auto"`` forms every normal matrix in float64.
-        """
-        return not reduced_float32_products(self.function.group.devices)
-
-    def primal_gram_dtype(self, damping: float, m_total: int) -> torch.dtype:
-        """The primal Gram's dtype for an iteration starting at λ = ``damping``."""
-        if not self.float32_products_certified():
-            return torch.float64
-        return self.precision.choose(self.function.params[0].dtype, damping, m_total)
-
-    def primal_gram_chunk(self, damping: float, m_total: int) -> int | None:
-        """Rows per float32 product of a float64 primal Gram at λ = ``damping`` (or None)."""
-        if not self.float32_products_certified():
-            return None
-        return self.precision.chunk_rows(self.function.params[0].dtype, damping, m_total)
-
-    def dual_gram_dtype(self, damping: float, scale: float) -> torch.dtype:
-        """The dual matrix's dtype at λ = ``damping`` and mean diagonal ``scale``."""
-        if not self.float32_products_certified():
-            return torch.float64
-        dtype = self.function.params[0].dtype
-        return self.precision.choose(dtype, damping, self.function.n, scale)
 
     # -- the Jacobian strategy ----------------------------------------------------------
     def jacobian(self, inputs: Any, targets: Any, batch: int, m: int, m_total: int = 0) -> str:
@@ -306,9 +231,7 @@ class Choices:
         known = self.checked.get(signature)
         structural = bool(interacting)
         k = max(1, m // batch)
-        if self.reducer.world_size > 1:
-            agreed, k, structural = self._agree_known(known, k, structural)
-            known = agreed
+        known, k, structural = self._agree_known(known, k, structural)
         if known is None:
             known = self._decide(inputs, targets, batch, m_total, k, structural, signature)
         if cfg.jacobian == "auto":
@@ -320,27 +243,22 @@ class Choices:
     ) -> tuple[str | None, int, bool]:
         """Across ranks: the choice every rank already made, the largest k, any interaction.
 
-        One all-reduce of ``world + 2 + 4`` numbers.  The choice is returned only when
-        every rank has checked its signature and made the same one; otherwise ``None``,
-        and every rank decides anew, together.
+        One all-reduce of ``world × (3 + 4)`` numbers (nothing on one process).  The
+        choice is returned only when every rank has checked its signature and made the
+        same one; otherwise ``None``, and every rank decides anew, together.
         """
         names = _CONCRETE
-        world, rank = self.reducer.world_size, self.reducer.rank
-        t = torch.zeros(2 + world + len(names), dtype=torch.float64)
-        t[0] = 1.0 if known is None else 0.0
-        t[1] = 1.0 if structural else 0.0
-        t[2 + rank] = float(k)
-        if known is not None:
-            t[2 + world + names.index(known)] = 1.0
-        t = t.to(self.function.group.solver)
-        self.reducer.sum_([t])
-        values = t.tolist()
-        votes = values[2 + world :]
-        k_all = int(max(values[2 : 2 + world]))
+        votes = [1.0 if name == known else 0.0 for name in names]
+        rows = self.reducer.gather_values(
+            [1.0 if known is None else 0.0, 1.0 if structural else 0.0, float(k), *votes],
+            self.function.group.solver,
+        )
+        unknown = sum(row[0] for row in rows)
+        tally = [sum(row[3 + i] for row in rows) for i in range(len(names))]
         agreed = None
-        if values[0] == 0 and max(votes) == world:
-            agreed = names[votes.index(max(votes))]
-        return agreed, k_all, values[1] > 0
+        if unknown == 0 and max(tally) == len(rows):
+            agreed = names[tally.index(max(tally))]
+        return agreed, int(max(row[2] for row in rows)), any(row[1] > 0 for row in rows)
 
     def _candidates(self, m_total: int, k: int, structural: bool, signature: str) -> list[str]:
         """The strategies to try, best first; ``"auto"``'s rule on residuals per sample."""
@@ -358,7 +276,7 @@ class Choices:
             names = ["reverse", "forward", *batch_modes]
         # With several ranks only agreed numbers may shape the list (a rank's cache
         # is its own), so that every rank runs the same checks and collectives.
-        cached = self.auto_cache.get(signature) if self.reducer.world_size == 1 else None
+        cached = self.auto_cache.get(signature) if self.reducer.is_identity else None
         if cached in names:
             # A choice restored from a checkpoint is tried first, so a resumed run
             # takes the choices of the run it continues.
@@ -368,11 +286,8 @@ class Choices:
 
     def _flags(self, values: list[float]) -> list[float]:
         """``values`` summed over ranks (one all-reduce; nothing on one process)."""
-        if self.reducer.world_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.function.group.solver)
-        self.reducer.sum_([t])
-        return [float(v) for v in t.tolist()]
+        rows = self.reducer.gather_values(values, self.function.group.solver)
+        return [sum(column) for column in zip(*rows, strict=True)]
 
     def _decide(
         self,
@@ -397,7 +312,7 @@ class Choices:
                 unchecked = self._probe_jacobian(inputs, targets, batch)
             self.checked[signature] = unchecked
             return unchecked
-        if self.reducer.world_size == 1:
+        if self.reducer.is_identity:
             timed = timed and self.auto_cache.get(signature) is None
         size = min(batch, PROBE_SAMPLES)
         p_in = slice_tree(inputs, 0, size)
@@ -411,9 +326,7 @@ class Choices:
             try:
                 reference = batch_reference(program, params, p_in, p_t)
             except Exception as exc:
-                if self.reducer.world_size == 1:
-                    raise
-                error = exc
+                error = self.reducer.hold(exc)
             failed, random = self._flags(
                 [
                     float(error is not None),
@@ -492,10 +405,7 @@ class Choices:
         params = fn.points(fn.flat())[0]
         program = fn.replicas[0].program
         names = ("reverse", "forward")
-        # The two timings, then a failure flag: a rank whose model raises on this slice
-        # joins the sum with it, so that every rank raises (no collective is added).
-        elapsed = torch.zeros(len(names) + 1, dtype=torch.float64, device=fn.group.solver)
-        world = self.reducer.world_size
+        elapsed = [0.0, 0.0]
         error: Exception | None = None
         with fn.frozen(), fn.group.on(0):
             try:
@@ -506,17 +416,16 @@ class Choices:
                     strategy(program, params, inputs, targets)
                     elapsed[i] = time.perf_counter() - t0
             except Exception as exc:
-                if world == 1:
-                    raise
-                error = exc
-                elapsed.zero_()
-                elapsed[-1] = 1.0
+                # A rank whose model raises on this slice joins the sum with a failure
+                # flag, so that every rank raises (no collective is added).
+                error = self.reducer.hold(exc)
+                elapsed = [0.0, 0.0]
         # With several ranks, the summed timings make every rank choose the same mode.
-        self.reducer.sum_([elapsed])
-        if world > 1:
-            what = "timing the per-sample Jacobian modes for jacobian='auto'"
-            raise_if_failed(error, int(elapsed[-1]), world, what)
-        return names[1] if bool(elapsed[1] < elapsed[0]) else names[0]
+        rows = self.reducer.gather_values([*elapsed, float(error is not None)], fn.group.solver)
+        reverse, forward, failed = (sum(column) for column in zip(*rows, strict=True))
+        what = "timing the per-sample Jacobian modes for jacobian='auto'"
+        self.reducer.raise_together(error, failed, what)
+        return names[1] if forward < reverse else names[0]
 
     # -- memory ---------------------------------------------------------------------------
     def memory_plan(
@@ -533,8 +442,9 @@ class Choices:
         agreement is a collective every rank must join).
         """
         key = (batch, m, m_all, jacobian, slice_size)
-        world = self.reducer.world_size
-        kept = self.plans.get(key) if world == 1 else None
+        # With several ranks the plan's agreement is a collective: every step is planned.
+        keep = self.reducer.is_identity
+        kept = self.plans.get(key) if keep else None
         reading = None
         if kept is not None:
             plan, reading = self._follow(kept)
@@ -550,7 +460,7 @@ class Choices:
             rows=m,
             rows_total=m_all,
             dtype=p0.dtype,
-            gram_dtype=self.precision.fixed(p0.dtype) or torch.float64,
+            gram_dtype=self.precision.fixed or torch.float64,
             jacobian=jacobian,
             # An array-module backend exists to factor matrices too big for torch, and
             # offers no CG: under "auto" it always factors.
@@ -562,13 +472,12 @@ class Choices:
             memory_budget=cfg.memory_budget,
             available=available,
             available_source=source,
-            world_size=world,
-            agree=self._agree if world > 1 else None,
+            agree=None if keep else self._agree,
             peaks=peaks,
         )
         if not plan.fits:
             raise PlanError(plan)
-        if world == 1:
+        if keep:
             low, high = available_range(peaks, available)
             self.plans.pop(key, None)
             self.plans[key] = _KeptPlan(plan, low, high)
@@ -621,7 +530,5 @@ class Choices:
     def _agree(self, fits: list[bool]) -> list[bool]:
         # Every rank must pick the same solver and form: a candidate counts as
         # fitting only where it fits on every rank.
-        flags = torch.tensor([0.0 if f else 1.0 for f in fits], dtype=torch.float64)
-        flags = flags.to(self.function.params[0].device)
-        self.reducer.sum_([flags])
-        return [bool(v == 0) for v in flags]
+        missing = self._flags([0.0 if f else 1.0 for f in fits])
+        return [v == 0 for v in missing]

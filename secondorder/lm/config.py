@@ -17,7 +17,6 @@ from .._validation import (
     check_number,
     check_open_unit,
 )
-from .backends import BACKEND_SOLVERS, LINALG_BACKENDS, array_module
 from .classifier_defaults import residual_defaults
 from .damping import (
     DAMPING_MATRICES,
@@ -29,6 +28,7 @@ from .damping import (
 from .jacobian import JACOBIANS
 from .kfac_cg import CG_PRECONDITIONERS
 from .linalg import SOLVERS
+from .linalg.backends import BACKEND_SOLVERS, LINALG_BACKENDS, array_module
 
 __all__ = ["FORMS", "LMConfig"]
 
@@ -113,7 +113,7 @@ class LMConfig:
             residuals.
         linalg_backend: where the normal equations are factored and solved:
             ``"torch"`` (default), ``"numpy"`` or ``"cupynumeric"`` (see
-            :mod:`secondorder.backends`); the array modules offer the solvers
+            :mod:`secondorder.lm.linalg.backends`); the array modules offer the solvers
             ``"cholesky"`` and ``"eigh"``.
     """
 

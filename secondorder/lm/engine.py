@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .damping import DampingMatrix, DampingRule, DampingState, StepRecord, raise_damping
 from .linalg import Factorization, LinearSolver, NormalEquations
+from .precision import StepPrecision
 
 __all__ = ["EngineConfig", "Outcome", "Problem", "iterate"]
 
@@ -88,6 +89,8 @@ class Outcome:
     gain_ratio: float
     step_norm: float
     cg_iterations: int
+    #: The dtype the factorisation formed its matrix in (``None``: none was formed).
+    matrix_dtype: torch.dtype | None = None
 
 
 def _convergence(
@@ -214,6 +217,7 @@ class _Loop:
             stop=True,
             gain_ratio=self.rho,
             cg_iterations=self.cg_iterations,
+            matrix_dtype=self.fact.dtype,
         )
 
 
@@ -227,6 +231,7 @@ def _unmoved(
     stop: bool,
     gain_ratio: float,
     cg_iterations: int = 0,
+    matrix_dtype: torch.dtype | None = None,
 ) -> Outcome:
     """The :class:`Outcome` of an iteration that leaves ``x`` where it was."""
     return Outcome(
@@ -241,6 +246,7 @@ def _unmoved(
         gain_ratio=gain_ratio,
         step_norm=0.0,
         cg_iterations=cg_iterations,
+        matrix_dtype=matrix_dtype,
     )
 
 
@@ -257,6 +263,7 @@ def iterate(
     lr: float = 1.0,
     max_attempts: int | None = None,
     size: Tensor | None = None,
+    precision: StepPrecision | None = None,
 ) -> Outcome:
     """Run the attempts of one LM iteration from ``x``, linearised as ``system``.
 
@@ -264,6 +271,8 @@ def iterate(
     returned ``Outcome.x`` is a new tensor when a step was accepted.  ``size``: the
     magnitude of each coordinate of ``x`` a trust region's first radius is measured
     from (``‖D^½·size‖``), where ``|x|`` is not it (``x`` a change of variables).
+    ``precision``: the dtype of this iteration's normal matrix and, in the dual form,
+    its float32 check (default: the record's own dtype).
     """
     # Host synchronisations: one here (loss and gtol test, shared with the caller's
     # finiteness check), then per attempt one before the trial evaluation (did the
@@ -282,7 +291,7 @@ def iterate(
     col = system.col_sq if system.scale_sq is None else system.scale_sq
     d = matrix.diagonal(col, state, config.damping_min)
     try:
-        fact = solver.factor(system, d, matrix.uniform)
+        fact = solver.factor(system, d, matrix.uniform, precision or StepPrecision())
     except torch.linalg.LinAlgError as exc:
         # An eigendecomposition or QR that does not converge is a numerical fault of
         # this point, not of the program: raise λ and let the caller try again.
@@ -336,10 +345,10 @@ def _residual_w(system: NormalEquations, fact: Factorization) -> Tensor | None:
     """``-r`` for the solvers that need it; a host factorisation that holds it gives it."""
     if system.residuals is None:
         return None
-    # A host factorisation of [J, -r] (linalg._HostSVD) recognises its own -r by
-    # identity; a fresh negation would cost it a comparison of every entry.
-    held = getattr(fact, "w", None)
-    return held if isinstance(held, Tensor) else -system.residuals
+    # A host factorisation of [J, -r] recognises its own -r by identity; a fresh
+    # negation would cost it a comparison of every entry.
+    held = fact.held_residuals()
+    return held if held is not None else -system.residuals
 
 
 def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
@@ -421,8 +430,8 @@ class _HostView:
         else:
             grad = system.grad.numpy()
             jac = None if system.jac is None else system.jac.numpy()
-        sqrt_d = getattr(fact, "sqrt_d", None)
-        if not isinstance(sqrt_d, np.ndarray):
+        sqrt_d = fact.host_sqrt_d()
+        if sqrt_d is None:
             with np.errstate(all="ignore"):
                 sqrt_d = np.sqrt(d.numpy())
         return cls(x.numpy(), grad, jac, sqrt_d)
@@ -602,6 +611,7 @@ def _judge(
             gain_ratio=rho,
             step_norm=step_norm,
             cg_iterations=loop.cg_iterations,
+            matrix_dtype=loop.fact.dtype,
         )
     loop.reject(step)
     if status > 0:

@@ -29,14 +29,14 @@ from ..distributed import Reducer, resolve_reducer
 from ..distributed.devices import replicate_module, resolve_devices, sync_replica
 from .batch import ProbeCache, check_step
 from .checkpoint import STATE_FORMAT_VERSION, Checkpoint, read_state_dict, write_state_dict
-from .choices import Choices, normal_matrix_dtype, set_dual_check, set_solver_dtype
+from .choices import Choices
 from .config import LMConfig
 from .damping import DampingState, make_damping_matrix, make_damping_rule, raise_damping
 from .engine import EngineConfig, Outcome, iterate
 from .linalg import NormalEquations
 from .model import ModelFunction, interacting_modules, to_device
 from .planner import MemoryPlan, PlanError
-from .precision import DualFloorCheck
+from .precision import GramPrecision, PrecisionRule, StepPrecision
 from .problem import BatchSetup, ModelProblem
 from .records import LMInternals, SmallBatchWarning, StepInfo
 from .residuals import LossResidual, ModelResidual, describe, from_torch_loss, mse
@@ -229,8 +229,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             )
         group = resolve_devices(devices, solver_device, next(iter(devs)))
         self.reducer = resolve_reducer(reducer, process_group)
-        if self.reducer.world_size > 1:
-            self._agree_across_ranks(named, residual_fn)
+        # The ranks of a shared batch check that they built the same optimizer (the
+        # identity on one process).
+        self._agree_across_ranks(named, residual_fn)
         super().__init__([p for _, p in named], {"lr": lr})
         if any(d.type == "cpu" for d in (*group.devices, group.solver)):
             # A step's temporaries of a few MB otherwise fault in afresh every step.
@@ -249,7 +250,14 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             replicate_module(model, group.devices),
         )
         cfg = self.config
-        self._choices = Choices(cfg, self._function, self.reducer)
+        #: Decides each step's Gram dtype and dual check (:mod:`.precision`).
+        self._precision = PrecisionRule(
+            GramPrecision(cfg.gram_dtype, cfg.gram_auto_tol, cfg.damping_matrix),
+            named[0][1].dtype,
+            group.devices,
+            self._function.n,
+        )
+        self._choices = Choices(cfg, self._function, self.reducer, self._precision)
         #: The per-batch problem of the last step or plan (see :meth:`internals`).
         self._problem: ModelProblem | None = None
         self._rule = make_damping_rule(
@@ -480,35 +488,20 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         for replica in self.replicas:
             sync_replica(self.model, replica)
         x = self._function.flat().to(self._function.group.solver)
-        if self._choices.varies() and setup.form == "primal":
-            gram_dtype = self._choices.primal_gram_dtype(self._damping.damping, m_total)
-            chunk = self._choices.primal_gram_chunk(self._damping.damping, m_total)
-            setup = replace(setup, gram_dtype=gram_dtype, gram_chunk=chunk)
-            set_solver_dtype(setup.solver, gram_dtype)
+        rule, damping = self._precision, self._damping.damping
+        if setup.form == "primal":
+            # The Gram is formed while J is computed: its precision comes first.
+            setup = replace(setup, precision=rule.primal(damping, m_total))
         prob = self._problem = ModelProblem(self._function, setup)
         system = prob.linearize(x)
         t_lin = time.perf_counter()
         finite, loss_sum, _ = system.scalars()
-        if self._choices.varies() and setup.form == "dual":
-            scale = system.dual_scale_value()
-            scale = math.inf if scale is None else scale
-            dual_dtype = self._choices.dual_gram_dtype(self._damping.damping, scale)
-            set_solver_dtype(setup.solver, dual_dtype)
-            if (
-                dual_dtype == torch.float64
-                and math.isfinite(scale)
-                and self._choices.float32_products_certified()
-            ):
-                # λ alone asks for float64; the float32 matrix may still be exact
-                # enough when its rows are independent (checked on the matrix).
-                set_dual_check(
-                    setup.solver,
-                    DualFloorCheck(
-                        self._choices.precision, self._damping.damping, self._function.n
-                    ),
-                )
+        precision = setup.precision
+        if setup.form == "dual":
+            # The dual matrix is formed by the solver, from J and its measured scale.
+            precision = rule.dual(damping, system.dual_scale_value() if rule.varies else None)
         if not finite:
-            return self._refuse(prob, system, loss_sum, t_start, t_lin)
+            return self._refuse(prob, system, precision, loss_sum, t_start, t_lin)
         out = iterate(
             prob,
             x,
@@ -519,13 +512,14 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             state=self._damping,
             config=self._engine,
             lr=lr,
+            precision=precision,
         )
         t_iter = time.perf_counter()
         if out.accepted:
             self._accept(out.x, inputs)
         self._steps += 1
         timings = {"linearize": t_lin - t_start, "solve_and_trials": t_iter - t_lin}
-        return self._info(prob, system, out, timings, t_start)
+        return self._info(prob, system, precision, out, timings, t_start)
 
     def _check_batch_size(self, m_total: int) -> None:
         """Warn, once, when primal mini-batches have fewer residuals than parameters.
@@ -567,6 +561,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         self,
         prob: ModelProblem,
         system: NormalEquations,
+        precision: StepPrecision,
         loss_sum: float,
         t_start: float,
         t_lin: float,
@@ -599,7 +594,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             gain_ratio=float("nan"),
             step_norm=0.0,
             status=0,
-            **self._choices_made(prob, system),
+            **self._choices_made(prob, system, precision, None),
             timings={"linearize": t_lin - t_start, "total": time.perf_counter() - t_start},
         )
 
@@ -629,18 +624,30 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             sync_replica(self.model, replica)
 
     @staticmethod
-    def _choices_made(prob: ModelProblem, system: NormalEquations) -> dict[str, Any]:
+    def _choices_made(
+        prob: ModelProblem,
+        system: NormalEquations,
+        precision: StepPrecision,
+        factored: torch.dtype | None,
+    ) -> dict[str, Any]:
+        """What the step used, by name; ``factored``: the dtype its factorisation formed."""
+        dtype: torch.dtype | None = None
+        if system.gram is not None:
+            dtype = system.gram.dtype
+        elif prob.solver.forms_matrix and system.jac is not None:
+            dtype = factored or precision.dtype or system.jac.dtype
         return {
             "jacobian": prob.strategy.name,
             "solver": prob.solver.name,
             "form": prob.form,
-            "gram_dtype": normal_matrix_dtype(prob.solver, system),
+            "gram_dtype": "" if dtype is None else str(dtype).replace("torch.", ""),
         }
 
     def _info(
         self,
         prob: ModelProblem,
         system: NormalEquations,
+        precision: StepPrecision,
         out: Outcome,
         timings: dict[str, float],
         t_start: float,
@@ -659,7 +666,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             status=out.status,
             cg_iterations=out.cg_iterations,
             timings={**timings, "total": time.perf_counter() - t_start},
-            **self._choices_made(prob, system),
+            **self._choices_made(prob, system, precision, out.matrix_dtype),
         )
 
     # -- checkpoints ---------------------------------------------------------------------

@@ -227,7 +227,6 @@ def plan_memory(
     available: int | None = None,
     available_source: str = "given",
     activations: int = 0,
-    world_size: int = 1,
     agree: Callable[[list[bool]], list[bool]] | None = None,
     peaks: list[int] | None = None,
 ) -> MemoryPlan:
@@ -256,8 +255,8 @@ def plan_memory(
         available_source: where ``available`` came from, for messages.
         activations: entries one sample's forward pass saves for backward
             (:func:`activation_numel`); 0 leaves activations out.
-        world_size: processes sharing the batch.
-        agree: with several processes, maps this process's list "candidate fits"
+        agree: with several processes (``rows_total`` above ``rows``: every process
+            holds at least one residual), maps this process's list "candidate fits"
             to the list for every process (a candidate fits where it fits on all),
             so that all processes choose alike; called exactly once.
         peaks: a list to which the peak of every configuration compared with
@@ -283,7 +282,6 @@ def plan_memory(
         memory_budget=memory_budget,
         available=available,
         activations=activations,
-        world_size=world_size,
         solver=solver,
         form=form,
         jacobian=jacobian,
@@ -300,7 +298,6 @@ def plan_memory(
         converts=gdt != dtype,
         jacobian=jacobian,
         activations=activations,
-        world_size=world_size,
     )
     candidates = _candidates(shape, solver, form)
     plans = [
@@ -341,7 +338,6 @@ def _check_arguments(
     memory_budget: int,
     available: int | None,
     activations: int,
-    world_size: int,
     solver: str,
     form: str,
     jacobian: str,
@@ -356,7 +352,6 @@ def _check_arguments(
     check_integer("memory_budget", memory_budget)
     check_integer("available", available, minimum=0, allow_none=True)
     check_integer("activations", activations, minimum=0)
-    check_integer("world_size", world_size)
     if solver not in _SOLVERS:
         raise ValueError(f"Unknown solver={solver!r}; valid choices are {_SOLVERS}.")
     if form not in _FORMS:
@@ -521,16 +516,17 @@ def _advice(
     for ranks in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         if cg_fits:
             break
-        total = shape.world_size * ranks
-        rows = max(1, math.ceil(shape.rows_total / total))
-        samples = max(1, math.ceil(shape.samples * shape.world_size / total))
+        rows = max(1, math.ceil(shape.rows / ranks))
+        samples = max(1, math.ceil(shape.samples / ranks))
         spread = replace(shape, rows=rows, rows_total=shape.rows_total, samples=samples)
-        option = _fit(replace(spread, world_size=total), "cg", False, s, budget, available, "")
+        option = _fit(spread, "cg", False, s, budget, available, "")
         if option.fits:
-            out.append(
-                f"solver='cg' over {total} ranks or devices (needs {_size(option.peak_bytes)} "
-                "on each)"
+            more = (
+                f"{ranks} ranks or devices"
+                if shape.rows == shape.rows_total
+                else (f"{ranks} times as many ranks or devices")
             )
+            out.append(f"solver='cg' over {more} (needs {_size(option.peak_bytes)} on each)")
             break
     if not per_sample:
         out.append(

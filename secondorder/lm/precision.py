@@ -77,8 +77,11 @@ from .._lapack import pad_identity
 
 __all__ = [
     "MIN_CHUNK_ROWS",
+    "NATIVE",
     "DualFloorCheck",
     "GramPrecision",
+    "PrecisionRule",
+    "StepPrecision",
     "floor_holds",
     "reduced_float32_products",
 ]
@@ -270,3 +273,95 @@ class DualFloorCheck:
         eps = self.error_estimate(m)
         # k is this call's own float64 copy: shift and factor it without another.
         return _floor_holds_in_place(k, eps / self.precision.tol, eps)
+
+
+@dataclass(frozen=True)
+class StepPrecision:
+    """The precision of one iteration's normal matrix, decided before it is formed.
+
+    Built by :class:`PrecisionRule` and handed to the linearisation (the Gram's dtype
+    and chunks) and to :meth:`~secondorder.lm.linalg.LinearSolver.factor`; a solver
+    reads it and keeps no dtype of its own.
+
+    Attributes:
+        dtype: the dtype the normal matrix is formed and factored in; ``None``: the
+            record's own.
+        chunk: with a float64 ``dtype`` and a float32 J, the rows of each float32
+            product a primal Gram is summed from (:meth:`GramPrecision.chunk_rows`).
+        dual_check: in the dual form, when λ alone asked for float64: the check
+            that keeps a float32 matrix where it is accurate enough.
+    """
+
+    dtype: torch.dtype | None = None
+    chunk: int | None = None
+    dual_check: DualFloorCheck | None = None
+
+
+#: The record's own dtype, no chunks and no dual check: a solver's default.
+NATIVE = StepPrecision()
+
+
+class PrecisionRule:
+    """The configuration's precision rule for one model: each step's :class:`StepPrecision`.
+
+    ``gram_dtype="auto"`` with float32 parameters chooses per iteration from λ
+    (:meth:`primal`, before J is computed; :meth:`dual`, after, from the dual
+    matrix's scale); every other setting gives the same fixed dtype every step.
+    Where float32 products may run as TF32 on ``devices``
+    (:func:`reduced_float32_products`, read at every step: the switch is global),
+    ``"auto"`` forms every normal matrix in float64.
+    """
+
+    def __init__(
+        self,
+        gram: GramPrecision,
+        param_dtype: torch.dtype,
+        devices: Sequence[torch.device],
+        parameters: int,
+    ) -> None:
+        self.gram = gram
+        self.param_dtype = param_dtype
+        self.devices = tuple(devices)
+        self.parameters = parameters
+
+    @property
+    def varies(self) -> bool:
+        """Whether the dtype is chosen per iteration (``"auto"`` with float32 parameters)."""
+        return self.gram.varies(self.param_dtype)
+
+    @property
+    def fixed(self) -> torch.dtype | None:
+        """The dtype when it does not depend on λ, else ``None``."""
+        return self.gram.fixed(self.param_dtype)
+
+    def certified(self) -> bool:
+        """Whether float32 products keep float32's rounding where slices are computed."""
+        return not reduced_float32_products(self.devices)
+
+    def primal(self, damping: float, rows: int) -> StepPrecision:
+        """The primal Gram's precision for an iteration starting at λ = ``damping``."""
+        if not self.varies:
+            return StepPrecision(self.fixed)
+        if not self.certified():
+            return StepPrecision(torch.float64)
+        dtype = self.gram.choose(self.param_dtype, damping, rows)
+        return StepPrecision(dtype, self.gram.chunk_rows(self.param_dtype, damping, rows))
+
+    def dual(self, damping: float, scale: float | None) -> StepPrecision:
+        """The dual matrix's precision at λ = ``damping`` and mean diagonal ``scale``.
+
+        ``scale``: :attr:`~secondorder.lm.linalg.NormalEquations.dual_scale` as read with
+        the loss (``None`` when it was not measured: float64).
+        """
+        if not self.varies:
+            return StepPrecision(self.fixed)
+        scale = math.inf if scale is None else scale
+        if not self.certified():
+            return StepPrecision(torch.float64)
+        dtype = self.gram.choose(self.param_dtype, damping, self.parameters, scale)
+        check = None
+        if dtype == torch.float64 and math.isfinite(scale) and self.certified():
+            # λ alone asks for float64; the float32 matrix may still be exact enough
+            # when its rows are independent (checked on the matrix).
+            check = DualFloorCheck(self.gram, damping, self.parameters)
+        return StepPrecision(dtype, dual_check=check)

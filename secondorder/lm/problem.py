@@ -31,25 +31,9 @@ from .jacobian import FactorGram, JacobianStrategy, ResidualProgram, record_tria
 from .kfac_cg import KroneckerStats, kronecker_layers, slice_statistics
 from .linalg import LinearSolver, NormalEquations, gram_update
 from .model import ModelEvaluator, ModelFunction, slice_tree
-from .sharded import ShardedNormalEquations
+from .precision import StepPrecision
 
-__all__ = ["BatchSetup", "ModelProblem", "RankFailedError", "raise_if_failed"]
-
-
-class RankFailedError(RuntimeError):
-    """Another rank raised during the rank-local part of a step; see its error."""
-
-
-def raise_if_failed(error: Exception | None, failures: int, world: int, what: str) -> None:
-    """After a reduction that carried failure flags: every rank raises, or none does."""
-    if error is not None:
-        raise error
-    if failures:
-        raise RankFailedError(
-            f"{failures} of {world} ranks raised while {what} (see the error raised there); "
-            "every rank raises with it, so no rank changed its parameters and the process "
-            "group stays usable: a loop that catches the error may go on with the next batch."
-        )
+__all__ = ["BatchSetup", "ModelProblem"]
 
 
 def _leaves(tree: Any) -> list[Tensor]:
@@ -68,12 +52,10 @@ class BatchSetup:
         strategy: how J's rows are computed.
         solver: factors and solves the damped normal equations.
         form: ``"primal"`` (n×n ``JᵀJ``) or ``"dual"`` (m×m ``JD⁻¹Jᵀ``).
-        gram_dtype: dtype the Gram is accumulated in; ``None``: the parameters'.
+        precision: the dtype the Gram is accumulated in (``None``: the parameters')
+            and its float32 row chunks (:func:`~secondorder.lm.linalg.gram_update`).
         dual_scale: whether ``linearize`` measures the scale of ``JD⁻¹Jᵀ`` (dual form
             under ``gram_dtype="auto"``).
-        gram_chunk: with a float64 ``gram_dtype`` and a float32 J, the rows of each
-            float32 product the Gram is summed from (:func:`~secondorder.lm.linalg.gram_update`);
-            ``None``: J is converted to float64.
         pool_rows: whether J's rows go into a buffer kept for the next step (the
             memory plan's ``pooled_rows``).
     """
@@ -85,9 +67,8 @@ class BatchSetup:
     strategy: JacobianStrategy
     solver: LinearSolver
     form: str
-    gram_dtype: torch.dtype | None
+    precision: StepPrecision
     dual_scale: bool
-    gram_chunk: int | None = None
     pool_rows: bool = True
 
 
@@ -113,14 +94,12 @@ class ModelProblem:
         self.function = function
         self.setup = setup
         self.store_rows = setup.form == "dual" or setup.solver.needs_jacobian
-        sharded_rows = bool(getattr(setup.solver, "rows_sharded", False))
-        #: Whether ``linearize`` gathers every rank's rows of J (dual form, QR, several ranks).
-        self.rows_gathered = (
-            function.reducer.world_size > 1 and self.store_rows and not sharded_rows
-        )
-        self.rows_sharded = self.store_rows and sharded_rows
+        #: Whether J's rows stay with the participant that computed them (CG, whose
+        #: products the reducer sums); otherwise ``linearize`` gathers every
+        #: participant's rows (the dual form, QR: the identity on one process).
+        self.rows_sharded = self.store_rows and setup.solver.row_shards
         #: Whether ``linearize`` computes the K-FAC factors (CG with ``"kfac"``).
-        self.needs_kronecker = bool(getattr(setup.solver, "needs_kronecker", False))
+        self.needs_kronecker = setup.solver.needs_kronecker
         #: Residuals of each slice at the last linearisation (this rank's), and their sum.
         self.slice_counts: list[int] | None = None
 
@@ -178,7 +157,7 @@ class ModelProblem:
     @property
     def gram_dtype(self) -> torch.dtype | None:
         """The dtype the Gram is accumulated in (``None``: the parameters')."""
-        return self.setup.gram_dtype
+        return self.setup.precision.dtype
 
     @property
     def slice_size(self) -> int:
@@ -206,8 +185,8 @@ class ModelProblem:
             yield slice_tree(setup.inputs, start, stop), targets
 
     def _local(self) -> bool:
-        """Whether the batch is one slice on one device of one process."""
-        return self._one_slice() and len(self.group) == 1 and self.reducer.world_size == 1
+        """Whether the batch is one slice on one device of one process (no one to reduce with)."""
+        return self._one_slice() and len(self.group) == 1 and self.reducer.is_identity
 
     def _one_slice(self) -> bool:
         """Whether the batch is linearised as one slice.
@@ -228,14 +207,12 @@ class ModelProblem:
         try:
             sums = self._accumulate(x, counts)
         except Exception as exc:
-            if self.reducer.world_size == 1:
-                raise
             # The other ranks are on their way into the reduction below: join it with
             # zeros of the same shapes and a failure flag, so that every rank raises
             # and the process group stays in step for the next call (a caller that
             # catches the error and goes on would otherwise meet a collective of
-            # another size and break the group).
-            error = exc
+            # another size and break the group).  Alone, the error is raised here.
+            error = self.reducer.hold(exc)
             sums = self._zero_sums(x)
         self.slice_counts = counts
         gram = self.group.sum(sums.grams)
@@ -248,14 +225,14 @@ class ModelProblem:
         # torch.full fills on the device; torch.tensor would copy from the host, and a
         # copy from pageable host memory makes a GPU's queue drain first.
         tally = torch.stack(
-            [sums.loss_sum, torch.full((), float(sums.count), dtype=wide, device=x.device)]
+            [
+                sums.loss_sum,
+                torch.full((), float(sums.count), dtype=wide, device=x.device),
+                torch.full((), float(error is not None), dtype=wide, device=x.device),
+            ]
         )
-        if self.reducer.world_size > 1:
-            failed = torch.full((1,), float(error is not None), dtype=wide, device=x.device)
-            tally = torch.cat([tally, failed])
         self.reducer.sum_([tally, sums.grad, col_sq] + ([gram] if gram is not None else []))
-        if self.reducer.world_size > 1:
-            raise_if_failed(error, int(tally[2]), self.reducer.world_size, "linearising")
+        self.reducer.raise_together(error, tally[2], "linearising")
         jac, residuals = self._rows(sums)
         dual = self.form == "dual"
         dual_scale = None
@@ -276,22 +253,25 @@ class ModelProblem:
             "dual_scale": dual_scale,
             "kronecker": self.kronecker(x) if self.needs_kronecker else None,
         }
-        if self.reducer.world_size == 1:
-            check = None if carry is None else carry.check
-            system = NormalEquations(count=sums.count, carry_check=check, **fields)
-            if carry is not None and check is not None:
-                carry.check = None
-                system.scalars()  # the check rides with the loss: no read of its own
-                if not system.carry_valid:
-                    # The kept pass's point or inputs no longer hold its values
-                    # (written through .data, or memory shared with NumPy): again,
-                    # without it (take() has dropped it).
-                    carry.stale()
-                    return self.linearize(x)
-            return system
-        return ShardedNormalEquations(
-            count=int(tally[1]), reducer=self.reducer, rows_sharded=self.rows_sharded, **fields
+        # A kept forward pass exists only on one process (see loss_sum).
+        check = None if carry is None else carry.check
+        system = NormalEquations(
+            count=self.reducer.total(sums.count, tally[1]),
+            carry_check=check,
+            reducer=self.reducer,
+            rows_sharded=self.rows_sharded,
+            **fields,
         )
+        if carry is not None and check is not None:
+            carry.check = None
+            system.scalars()  # the check rides with the loss: no read of its own
+            if not system.carry_valid:
+                # The kept pass's point or inputs no longer hold its values (written
+                # through .data, or memory shared with NumPy): again, without it
+                # (take() has dropped it).
+                carry.stale()
+                return self.linearize(x)
+        return system
 
     def _accumulate(self, x: Tensor, counts: list[int]) -> _Sums:
         """Walk the slices: their J and r, summed on the solver device in slice order.
@@ -342,7 +322,7 @@ class ModelProblem:
                     grad = None if products is None else products.grad
                     augmented = None if products is None else products.augmented
                     if augmented is not None:
-                        full = gram_update(None, augmented, self.gram_dtype, setup.gram_chunk)
+                        full = gram_update(None, augmented, self.gram_dtype, setup.precision.chunk)
                         sums.grams[k] = full[:n, :n]
                         part_grad = full[:n, n].to(x.dtype)
                     else:
@@ -352,7 +332,7 @@ class ModelProblem:
                         part_col = (J * J).sum(0) if col is None else col
                     elif augmented is None:
                         sums.grams[k] = gram_update(
-                            sums.grams[k], J, self.gram_dtype, setup.gram_chunk
+                            sums.grams[k], J, self.gram_dtype, setup.precision.chunk
                         )
                 # The vectors are added on the solver device in slice order, as one
                 # device would add them.
@@ -425,16 +405,12 @@ class ModelProblem:
                     tally[1] += 1
                     tally[2:-1] += torch.tensor(calls, dtype=wide, device=x.device)
         except Exception as exc:
-            if self.reducer.world_size == 1:
-                raise
             # The flag rides in the tally: no collective is added when nothing fails.
-            error = exc
+            error = self.reducer.hold(exc)
             a_sum, g_sum, tally = zeros()
             tally[-1] = 1.0
         self.reducer.sum_([tally, *a_sum, *g_sum])
-        if self.reducer.world_size > 1:
-            failed = int(tally[-1])
-            raise_if_failed(error, failed, self.reducer.world_size, "computing the K-FAC factors")
+        self.reducer.raise_together(error, tally[-1], "computing the K-FAC factors")
         samples_total = max(float(tally[0]), 1.0)
         # A layer keeps its factors only if its hook fired once in every forward of
         # every rank: a shared or skipped layer falls back to the Jacobi diagonal.
@@ -447,11 +423,10 @@ class ModelProblem:
             return None, None
         jac = sums.jacs[0] if len(sums.jacs) == 1 else torch.cat(sums.jacs)
         residuals = sums.res[0] if len(sums.res) == 1 else torch.cat(sums.res)
-        if self.rows_gathered:
+        if not self.rows_sharded:
             # The dual form and QR need every row of J: gather them, residuals riding
-            # along as a last column, in rank order (the order of the global batch).
-            both = self.reducer.gather_rows(torch.cat([jac, residuals[:, None]], dim=1))
-            jac, residuals = both[:, :-1], both[:, -1]
+            # along, in rank order (the order of the global batch).
+            jac, residuals = self.reducer.gather_rows_together([jac, residuals])
         return jac, residuals
 
     def loss_sum(self, x: Tensor) -> Tensor:
@@ -459,7 +434,8 @@ class ModelProblem:
 
         Raises :class:`ValueError` when a slice's residual count differs from the one
         at the last :meth:`linearize` (on any rank: every rank raises).  The check
-        reads only shapes, so it costs no host synchronisation on one process.
+        reads only shapes, so it costs no host synchronisation on one process; with
+        several, the counts ride with the loss.
         """
         group = self.group
         points = self.function.points(x)
@@ -486,40 +462,30 @@ class ModelProblem:
                         part = torch.dot(r, r)
                     total += group.gather(part)
         except Exception as exc:
-            if self.reducer.world_size == 1:
-                raise
-            error, seen = exc, list(expected or [])  # as in linearize: join the reduction
-        if self.reducer.world_size == 1:
-            if expected is not None and seen != expected:
-                raise ValueError(self._count_message(sum(expected), sum(seen), "this batch"))
-            return total
+            # As in linearize: join the reduction.
+            error, seen = self.reducer.hold(exc), list(expected or [])
         # Every rank must learn that one rank's count changed, or the others would
         # wait for it in the next collective: the mismatch rides with the loss.
         mismatch = expected is not None and seen != expected
-        tally = torch.tensor(
+        total, (flag, trial, before, failed) = self.reducer.sum_with_values(
+            total,
             [
-                0.0,
                 float(mismatch),
                 float(sum(seen)),
                 float(sum(expected or seen)),
                 float(error is not None),
             ],
-            dtype=torch.float64,
-            device=x.device,
         )
-        tally[0] = total
-        self.reducer.sum_([tally])
-        flag, trial, before, failed = tally[1:].tolist()
-        raise_if_failed(error, int(failed), self.reducer.world_size, "evaluating a trial point")
+        self.reducer.raise_together(error, failed, "evaluating a trial point")
         if flag > 0:
-            raise ValueError(self._count_message(int(before), int(trial), "all ranks"))
-        return tally[0]
+            raise ValueError(self._count_message(int(before), int(trial)))
+        return total
 
     @staticmethod
-    def _count_message(before: int, trial: int, where: str) -> str:
+    def _count_message(before: int, trial: int) -> str:
         return (
             f"residual_fn returned {trial} residuals at a trial point but {before} at the "
-            f"linearisation of {where} (same batch, same samples): the number of residuals "
+            "linearisation of the batch (same batch, same samples): the number of residuals "
             "must not depend on the parameters. Make residual_fn return the same shape for "
             "every parameter value (e.g. mask with zeros instead of dropping entries). "
             "Nothing was changed."
@@ -533,35 +499,26 @@ class ModelProblem:
         A rank whose model raises here joins the reduction with zeros and a failure
         flag, as in :meth:`linearize`: every rank raises.
         """
-        world = self.reducer.world_size
         error: Exception | None = None
         try:
             b, w = self._second_directional(x, v, system)
         except Exception as exc:
-            if world == 1:
-                raise
-            error = exc
+            error = self.reducer.hold(exc)
             b, w = self._zero_second_directional(x, system)
         failed = torch.tensor([float(error is not None)], dtype=b.dtype, device=b.device)
-        if self.rows_gathered:
+        what = "computing the geodesic acceleration"
+        if system.jac is not None and not self.rows_sharded:
             # J holds every rank's rows: gather r_vv the same way (its flag in a second
-            # column, on a rank's first row), and Jᵀr_vv is then already the global product.
-            assert system.jac is not None and system.residuals is not None
-            rows = torch.zeros(w.shape[0], 2, dtype=system.residuals.dtype, device=w.device)
-            rows[:, 0] = w
-            rows[:1, 1] = failed
-            both = self.reducer.gather_rows(rows)
-            raise_if_failed(
-                error, int(both[:, 1].sum()), world, "computing the geodesic acceleration"
-            )
-            w = both[:, 0]
+            # column, on a rank's first row), and Jᵀr_vv is then the global product.
+            flags = torch.zeros_like(w)
+            flags[:1] = failed
+            w, flags = self.reducer.gather_rows_together([w, flags])
+            self.reducer.raise_together(error, flags.sum(), what)
             return system.jac.T @ w.to(system.jac.dtype), w
-        if world == 1:
-            return b, w
-        # The flag rides with Jᵀr_vv: one collective, as without it.
+        # Each rank's share of Jᵀr_vv is summed; the flag rides with it.
         packed = torch.cat([b, failed])
         self.reducer.sum_([packed])
-        raise_if_failed(error, int(packed[-1]), world, "computing the geodesic acceleration")
+        self.reducer.raise_together(error, packed[-1], what)
         return packed[:-1], w
 
     def _second_directional(
@@ -569,7 +526,7 @@ class ModelProblem:
     ) -> tuple[Tensor, Tensor]:
         """``(Jᵀr_vv, r_vv)`` on this rank: ``r_vv`` of its rows, ``Jᵀr_vv`` not yet reduced.
 
-        When the rows are gathered, ``Jᵀr_vv`` is left to the caller (zeros here).
+        When J holds every rank's rows, ``Jᵀr_vv`` is left to the caller (zeros here).
         """
         group = self.group
         points = self.function.points(x)
@@ -605,7 +562,7 @@ class ModelProblem:
                 if system.jac is None:
                     b += group.gather(part)
         w = torch.cat(rvvs)
-        if system.jac is not None and not self.rows_gathered:
+        if system.jac is not None and self.rows_sharded:
             b = system.jac.T @ w.to(system.jac.dtype)
         return b, w
 
@@ -616,7 +573,7 @@ class ModelProblem:
         had residuals at the linearisation (at least one, to carry the flag).
         """
         jac = system.jac
-        dtype = jac.dtype if jac is not None and not self.rows_gathered else x.dtype
+        dtype = jac.dtype if jac is not None and self.rows_sharded else x.dtype
         rows = max(sum(self.slice_counts or []), 1)
         return (
             torch.zeros(self.n, dtype=dtype, device=x.device),

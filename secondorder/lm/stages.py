@@ -36,7 +36,6 @@ class StepShape:
     converts: bool  # J is copied into the Gram's dtype
     jacobian: str
     activations: int  # entries a sample saves for backward
-    world_size: int
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,9 @@ def estimate(
     # -- Gram, stored rows ----------------------------------------------------------
     gram_bytes = n * n * g if gram else 0
     stages.append(Stage("gram", gram_bytes, f"{n:,}² × {g} B" if gram else "not formed"))
-    gathered = store and solver != "cg" and shape.world_size > 1
+    # Other processes hold the rest of the batch's rows (each holds at least one):
+    # every solver but CG gathers them all.
+    gathered = store and solver != "cg" and shape.rows_total > shape.rows
     rows_here = shape.rows_total if gathered else shape.rows
     local_rows = shape.rows * n * b if store else 0
     rows_bytes = rows_here * (n + (1 if gathered else 0)) * b if store else 0

@@ -28,7 +28,8 @@ from secondorder.fitting.functions import (
     residual_function,
 )
 from secondorder.fitting.problem import FunctionProblem
-from secondorder.lm.linalg import NormalEquations, QRSolver, _host_scalars
+from secondorder.lm.linalg import NormalEquations, QRSolver
+from secondorder.lm.linalg.record import _host_scalars
 
 F64 = torch.float64
 

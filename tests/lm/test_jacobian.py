@@ -879,7 +879,7 @@ def test_outer_product_rule_is_checked_once_per_input_signature():
 
 
 def test_linear_layers_declines_models_with_other_parameterised_modules():
-    from secondorder.jacobian import linear_layers
+    from secondorder.lm.jacobian import linear_layers
 
     conv3d = nn.Sequential(nn.Conv3d(1, 2, 3), nn.Flatten(), nn.Linear(2, 2)).to(DT)
     names, params = named_trainable(conv3d)

@@ -13,9 +13,11 @@ import torch
 from torch import Tensor
 
 from secondorder.lm.linalg import NormalEquations, dual_blocks, make_solver, symmetric_product
+from secondorder.lm.precision import StepPrecision
 
 U32 = float(torch.finfo(torch.float32).eps)
 U64 = float(torch.finfo(torch.float64).eps)
+F64 = StepPrecision(torch.float64)
 
 
 def _case(m: int, n: int, dtype: torch.dtype, seed: int = 0) -> Tensor:
@@ -77,7 +79,7 @@ def test_dual_solve_by_blocks_matches_the_primal_solve(
     jac = _case(m, n, torch.float32, seed=4)
     w = torch.randn(m, generator=torch.Generator().manual_seed(5))
     system = _system(jac, w)
-    fact = make_solver(solver_name, dtype).factor(system, system.col_sq)
+    fact = make_solver(solver_name).factor(system, system.col_sq, precision=StepPrecision(dtype))
     j64, d64 = jac.double(), system.col_sq.double()
     # A float32 eigendecomposition is not scale invariant as Cholesky is: on rows spread
     # over three orders it loses ~10% at λ = 1e-4 (as it did before the blocks).
@@ -102,7 +104,7 @@ def test_dual_image_is_j_times_the_step(solver_name: str, dtype: torch.dtype) ->
     jac = _case(m, n, torch.float32, seed=6)
     w = torch.randn(m, generator=torch.Generator().manual_seed(7))
     system = _system(jac, w)
-    fact = make_solver(solver_name, dtype).factor(system, system.col_sq)
+    fact = make_solver(solver_name).factor(system, system.col_sq, precision=StepPrecision(dtype))
     u = U32 if dtype == torch.float32 else U64
     for lam in (1e-2, 1.0, 1e3):
         delta = fact.solve(lam, jac.T @ w, w)
@@ -129,7 +131,7 @@ def test_primal_factorisations_leave_the_image_to_the_system() -> None:
         col_sq=(jac * jac).sum(0),
         gram=jac.T @ jac,
     )
-    fact = make_solver("cholesky", torch.float64).factor(system, system.col_sq)
+    fact = make_solver("cholesky").factor(system, system.col_sq, precision=F64)
     assert fact.solve(1.0, system.grad, None) is not None
     assert fact.image() is None
 
@@ -150,7 +152,7 @@ def test_dual_cholesky_from_the_factor_gram_matches_the_primal_solve() -> None:
     system = _system(jac, w)
     system.factor_gram = outer
     d0 = 3.0
-    fact = make_solver("cholesky", torch.float64).factor(system, torch.full((n,), d0), uniform=True)
+    fact = make_solver("cholesky").factor(system, torch.full((n,), d0), uniform=True, precision=F64)
     assert calls == [torch.float64]
     j64 = jac.double()
     for lam in (1e-8, 1e-2, 1.0):
@@ -163,7 +165,7 @@ def test_dual_cholesky_from_the_factor_gram_matches_the_primal_solve() -> None:
         assert float((got.double() - ref).norm() / ref.norm()) <= 1e-5
         torch.testing.assert_close(image, j64 @ got.double(), rtol=1e-5, atol=1e-6)
     # Marquardt's D (not a multiple of I): the factors' J Jᵀ does not apply.
-    make_solver("cholesky", torch.float64).factor(system, system.col_sq)
+    make_solver("cholesky").factor(system, system.col_sq, precision=F64)
     assert calls == [torch.float64]
 
 

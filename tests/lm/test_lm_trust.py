@@ -206,7 +206,7 @@ def test_count_or_model_change_on_one_rank_raises_on_every_rank():
     )
     assert "rejected the batch on rank(s) [1] of 2" in results[0][4]
     for message, same_params, accepted, loss, _ in results.values():
-        want = "returned 60 residuals at a trial point but 40 at the linearisation of all ranks"
+        want = "returned 60 residuals at a trial point but 40 at the linearisation of the batch"
         assert want in message
         assert same_params and accepted
         # The single process on the concatenated batch, up to the order of the sums.

@@ -88,9 +88,9 @@ def test_stage_bytes_match_closed_forms():
 
 def test_rows_gathered_across_ranks_count_every_rank():
     kw = {"parameters": 2000, "samples": 100, "rows": 100, "rows_total": 400, "dtype": F64}
-    dual = plan_memory(solver="cholesky", form="dual", world_size=4, **kw)
+    dual = plan_memory(solver="cholesky", form="dual", **kw)
     assert dual.stage("stored rows") == 400 * (2000 + 1) * 8  # J and r, every rank's
-    cg = plan_memory(solver="cg", world_size=4, **kw)
+    cg = plan_memory(solver="cg", **kw)
     assert cg.stage("stored rows") == 100 * 2000 * 8  # this rank's rows only
 
 
@@ -187,10 +187,10 @@ def test_agree_makes_every_rank_choose_alike():
         calls.append(fits)
         return [False, *fits[1:]]
 
-    plan = plan_memory(agree=another_rank_lacks_memory, world_size=200, **kw)
+    plan = plan_memory(agree=another_rank_lacks_memory, **kw)
     assert calls == [[True, True]] and plan.solver == "cg"
 
-    plan = plan_memory(agree=lambda fits: [False] * len(fits), world_size=200, **kw)
+    plan = plan_memory(agree=lambda fits: [False] * len(fits), **kw)
     assert not plan.fits and "not on every rank" in plan.available_source
 
 
@@ -363,8 +363,8 @@ MEASURE = textwrap.dedent(
     import json, sys, torch
     from torch import nn
     import secondorder as so
-    from secondorder.linalg import NormalEquations, make_solver
-    from secondorder.planner import plan_memory
+    from secondorder.lm.linalg import NormalEquations, make_solver
+    from secondorder.lm.planner import plan_memory
 
     torch.set_num_threads(1)
 
@@ -392,7 +392,7 @@ MEASURE = textwrap.dedent(
     d = gram.diagonal().clone()
     g = torch.randn(n, dtype=torch.float64)
     system = NormalEquations(torch.tensor(1.0), n, g, d, gram=gram)
-    solver = make_solver("cholesky", torch.float64)
+    solver = make_solver("cholesky")
     run = lambda: solver.factor(system, d).solve(1e-3, -g)
     run()
     plan = plan_memory(parameters=n, samples=n, rows=n, dtype=torch.float64,

@@ -254,7 +254,7 @@ def test_tensorboard_logger_records_every_step(tmp_path):
     event_accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator"
     )
-    from secondorder.fit import TensorBoardLogger
+    from secondorder.training import TensorBoardLogger
 
     model, x, y = sinc_problem(points=60, hidden=6, dtype=torch.float64)
     seen: list[StepInfo] = []

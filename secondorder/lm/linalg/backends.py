@@ -52,7 +52,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .linalg import Factorization, LinearSolver, NormalEquations, make_solver
+from ..precision import NATIVE, StepPrecision
+from .base import Factorization, LinearSolver
+from .record import NormalEquations
 
 __all__ = [
     "BACKEND_SOLVERS",
@@ -60,7 +62,6 @@ __all__ = [
     "ArrayCholeskySolver",
     "ArrayEighSolver",
     "array_module",
-    "make_backend_solver",
     "surely_positive_definite",
 ]
 
@@ -173,6 +174,8 @@ def _eps(dtype: torch.dtype) -> float:
 
 
 class _ArrayCholeskyPrimal(Factorization):
+    dtype: torch.dtype
+
     def __init__(self, io: _Boundary, gram: Tensor, d: Tensor) -> None:
         self.io, self.dtype = io, gram.dtype
         self.gram = io.to_xp(gram, gram.dtype)
@@ -191,6 +194,8 @@ class _ArrayCholeskyPrimal(Factorization):
 
 class _ArrayCholeskyDual(Factorization):
     """``δ = D^-½ Jsᵀ (Js Jsᵀ + λI)⁻¹ w`` with ``Js = J D^-½``, on the array module."""
+
+    dtype: torch.dtype
 
     def __init__(self, io: _Boundary, jac: Tensor, d: Tensor, dtype: torch.dtype) -> None:
         self.io, self.dtype = io, dtype
@@ -216,6 +221,8 @@ class _ArrayCholeskyDual(Factorization):
 class _ArrayEighPrimal(Factorization):
     """``D^-½ G D^-½ = QΛQᵀ`` once; ``δ = D^-½ Q (Λ + λ)⁻¹ Qᵀ D^-½ b`` per λ."""
 
+    dtype: torch.dtype
+
     def __init__(self, io: _Boundary, gram: Tensor, d: Tensor) -> None:
         xp = io.xp
         self.io, self.dtype = io, gram.dtype
@@ -235,6 +242,8 @@ class _ArrayEighPrimal(Factorization):
 
 class _ArrayEighDual(Factorization):
     """``Js Jsᵀ = UΛUᵀ`` once; ``δ = D^-½ Jsᵀ U (Λ + λ)⁻¹ Uᵀ w`` per λ."""
+
+    dtype: torch.dtype
 
     def __init__(self, io: _Boundary, jac: Tensor, d: Tensor, dtype: torch.dtype) -> None:
         xp = io.xp
@@ -256,9 +265,8 @@ class _ArrayEighDual(Factorization):
 
 
 class _ArraySolver(LinearSolver):
-    def __init__(self, backend: str, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, backend: str) -> None:
         self.backend = backend
-        self.dtype = dtype
         self.io = _Boundary(array_module(backend))
 
     def _parts(self, system: NormalEquations) -> tuple[Tensor | None, Tensor | None]:
@@ -281,10 +289,16 @@ class ArrayCholeskySolver(_ArraySolver):
 
     name = "cholesky"
 
-    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
+    def factor(  # noqa: D102
+        self,
+        system: NormalEquations,
+        d: Tensor,
+        uniform: bool = False,
+        precision: StepPrecision = NATIVE,
+    ) -> Factorization:
         gram, jac = self._parts(system)
         if jac is not None:
-            return _ArrayCholeskyDual(self.io, jac, d, self.dtype or jac.dtype)
+            return _ArrayCholeskyDual(self.io, jac, d, precision.dtype or jac.dtype)
         assert gram is not None
         return _ArrayCholeskyPrimal(self.io, gram, d)
 
@@ -299,37 +313,15 @@ class ArrayEighSolver(_ArraySolver):
 
     name = "eigh"
 
-    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
+    def factor(  # noqa: D102
+        self,
+        system: NormalEquations,
+        d: Tensor,
+        uniform: bool = False,
+        precision: StepPrecision = NATIVE,
+    ) -> Factorization:
         gram, jac = self._parts(system)
         if jac is not None:
-            return _ArrayEighDual(self.io, jac, d, self.dtype or jac.dtype)
+            return _ArrayEighDual(self.io, jac, d, precision.dtype or jac.dtype)
         assert gram is not None
         return _ArrayEighPrimal(self.io, gram, d)
-
-
-def make_backend_solver(
-    name: str,
-    backend: str = "torch",
-    dtype: torch.dtype | None = None,
-    **cg_options: Any,
-) -> LinearSolver:
-    """The solver ``name`` running on ``linalg_backend=backend``.
-
-    ``"torch"`` builds the solvers of :mod:`secondorder.linalg` (``cg_options`` go to
-    :func:`~secondorder.linalg.make_solver`); an array-module backend offers
-    ``"cholesky"`` and ``"eigh"``.
-    """
-    if backend == "torch":
-        return make_solver(name, dtype, **cg_options)
-    if backend not in LINALG_BACKENDS:
-        raise ValueError(
-            f"Unknown linalg_backend={backend!r}; valid choices are {LINALG_BACKENDS}."
-        )
-    if name == "cholesky":
-        return ArrayCholeskySolver(backend, dtype)
-    if name == "eigh":
-        return ArrayEighSolver(backend, dtype)
-    raise ValueError(
-        f"Invalid solver={name!r} with linalg_backend={backend!r}: that backend provides "
-        f"{BACKEND_SOLVERS}."
-    )

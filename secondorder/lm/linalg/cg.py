@@ -2,8 +2,11 @@
 
 Nothing is factored: each solve iterates with products ``Jᵀ(Jv)``, preconditioned by
 the Jacobi diagonal ``1/(diag(JᵀJ) + λD)`` or, with ``cg_preconditioner="kfac"``, by the
-Kronecker-factored blocks of :mod:`secondorder.lm.kfac_cg`.  The sharded solver of
-:mod:`secondorder.lm.sharded` sums the products across ranks on top of these classes.
+Kronecker-factored blocks of :mod:`secondorder.lm.kfac_cg`.  Where the batch is shared
+by several processes, each keeps its own rows of J and every product ``Jᵀ(Jv)`` is
+summed through the record's reducer (one all-reduce of n numbers per iteration; on
+one process the reducer is the identity): no n×n matrix exists anywhere, and the
+iterates, built from summed quantities only, are the same on every rank.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .kfac_cg import CG_PRECONDITIONERS, KroneckerPreconditioner
-from .linalg import Factorization, LinearSolver, NormalEquations
+from ..kfac_cg import CG_PRECONDITIONERS, KroneckerPreconditioner
+from ..precision import NATIVE, StepPrecision
+from .base import Factorization, LinearSolver
+from .record import NormalEquations
 
 __all__ = ["CGFactorization", "CGSolver"]
 
@@ -51,6 +56,8 @@ class CGFactorization(Factorization):
         else:
             assert s.jac is not None
             jtjv = s.jac.T @ (s.jac @ v)
+            # Σ_k J_kᵀ(J_k v) over the participants' rows (the identity on one process).
+            s.reducer.sum_([jtjv])
         return jtjv + damping * self.d * v
 
     def solve(self, damping: float, b: Tensor, w: Tensor | None = None) -> Tensor | None:
@@ -114,6 +121,8 @@ class CGSolver(LinearSolver):
 
     name = "cg"
     needs_jacobian = True
+    row_shards = True
+    forms_matrix = False
 
     def __init__(
         self,
@@ -154,10 +163,18 @@ class CGSolver(LinearSolver):
             return self.rtol
         return max(self.rtol, min(self.forcing, math.sqrt(min(gamma, 1.0))))
 
-    def factor(self, system: NormalEquations, d: Tensor, uniform: bool = False) -> Factorization:  # noqa: D102
+    def factor(  # noqa: D102
+        self,
+        system: NormalEquations,
+        d: Tensor,
+        uniform: bool = False,
+        precision: StepPrecision = NATIVE,
+    ) -> Factorization:
         if system.dual:
             raise RuntimeError("the cg solver works on the primal form")
         max_iter = self.max_iter if self.max_iter is not None else max(1, system.n)
+        # The forcing term and the K-FAC factors are built from summed quantities:
+        # every participant stops alike and builds the same M⁻¹.
         d = d.to(system.grad.dtype)
         kron = self.kronecker(system, d)
         return CGFactorization(system, d, self.tolerance(system), max_iter, kronecker=kron)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import secondorder as so
-from secondorder.lm.jacobian import _VmapReverse
+from secondorder.lm.jacobian.program import _VmapReverse
 from secondorder.lm.linalg import gram_update
 
 

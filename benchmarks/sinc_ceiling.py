@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-import secondorder.lm.jacobian as jacobian
+import secondorder.lm.jacobian.outer as jacobian
 import secondorder.lm.linalg.cholesky as linalg
 import secondorder.lm.problem as problem
 from secondorder.lm import LevenbergMarquardt

@@ -50,12 +50,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .layers import trainable_layers
+
 __all__ = [
     "CG_PRECONDITIONERS",
-    "KroneckerLayer",
+    "KroneckerBlock",
     "KroneckerPreconditioner",
     "KroneckerStats",
-    "kronecker_layers",
+    "kronecker_blocks",
     "slice_statistics",
 ]
 
@@ -63,7 +65,7 @@ CG_PRECONDITIONERS = ("jacobi", "kfac")
 
 
 @dataclass(frozen=True)
-class KroneckerLayer:
+class KroneckerBlock:
     """One ``nn.Linear`` whose weight is trainable, and where its entries sit in x.
 
     Attributes:
@@ -99,34 +101,34 @@ class KroneckerLayer:
             out[self.bias_at : self.bias_at + o] = m[:, i]
 
 
-def kronecker_layers(
-    model: nn.Module, names: Sequence[str], numels: Sequence[int]
-) -> list[KroneckerLayer]:
-    """The ``nn.Linear`` layers of ``model`` whose weight is one of the unknowns ``names``."""
+def kronecker_blocks(
+    model: nn.Module, names: Sequence[str], params: Sequence[Tensor]
+) -> list[KroneckerBlock]:
+    """The ``nn.Linear`` layers of ``model`` whose own weight is one of the unknowns ``names``."""
     offsets: dict[str, int] = {}
     start = 0
-    for name, numel in zip(names, numels, strict=True):
+    for name, p in zip(names, params, strict=True):
         offsets[name] = start
-        start += numel
-    layers = []
-    for qual, module in model.named_modules():
-        if type(module) is not nn.Linear:
-            continue
-        prefix = f"{qual}." if qual else ""
-        w_name = prefix + "weight"
-        if w_name not in offsets:
+        start += p.numel()
+    blocks = []
+    for layer in trainable_layers(model, names, params):
+        module = layer.module
+        prefix = f"{layer.name}." if layer.name else ""
+        w_name, b_name = prefix + "weight", prefix + "bias"
+        if type(module) is not nn.Linear or layer.weight != w_name:
             continue
         o, i = module.weight.shape
         rows = torch.arange(o)[:, None]
         index = offsets[w_name] + rows * i + torch.arange(i)[None, :]
-        b_name = prefix + "bias"
-        bias = module.bias is not None and b_name in offsets
+        bias = layer.bias == b_name
         if bias:
             index = torch.cat([index, offsets[b_name] + rows], dim=1)
-        layers.append(
-            KroneckerLayer(qual, index, bias, offsets[w_name], offsets[b_name] if bias else -1)
+        blocks.append(
+            KroneckerBlock(
+                layer.name, index, bias, offsets[w_name], offsets[b_name] if bias else -1
+            )
         )
-    return layers
+    return blocks
 
 
 @dataclass
@@ -141,7 +143,7 @@ class KroneckerStats:
             hook fired other than once per forward keeps the Jacobi diagonal).
     """
 
-    layers: list[KroneckerLayer]
+    layers: list[KroneckerBlock]
     A: list[Tensor]
     G: list[Tensor]
     used: list[bool]
@@ -149,7 +151,7 @@ class KroneckerStats:
 
 def slice_statistics(
     model: nn.Module,
-    layers: Sequence[KroneckerLayer],
+    layers: Sequence[KroneckerBlock],
     residuals: Callable[[], Tensor],
     samples: int,
 ) -> tuple[list[Tensor], list[Tensor], list[int]]:
@@ -217,7 +219,7 @@ def slice_statistics(
 class _Block:
     """One layer's part of M⁻¹: x's indices, ``U^-½``, ``V^-½``, the eigenbases, ``Λ_G Λ_Aᵀ``."""
 
-    layer: KroneckerLayer
+    layer: KroneckerBlock
     iu: Tensor
     iv: Tensor
     qg: Tensor

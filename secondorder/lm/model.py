@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
 from .carry import ForwardCarry
-from .jacobian import ResidualProgram, linear_layers
+from .jacobian import ResidualProgram, outer_product_layers
 from .residuals import ModelResidual
 
 __all__ = [
@@ -129,7 +129,7 @@ class ModelEvaluator:
             if p is not None and id(p) in canonical
         ]
         coupled = isinstance(residual_fn, ModelResidual)
-        layers = None if coupled else linear_layers(model, names, [own[k] for k in names])
+        layers = None if coupled else outer_product_layers(model, names, [own[k] for k in names])
         self.program = ResidualProgram(
             per_sample=None if coupled else self.per_sample,
             batch=self.batch,

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
 from .jacobian import FactorGram, JacobianStrategy, ResidualProgram, record_trial
-from .kfac_cg import KroneckerStats, kronecker_layers, slice_statistics
+from .kfac_cg import KroneckerStats, kronecker_blocks, slice_statistics
 from .linalg import LinearSolver, NormalEquations, gram_update
 from .model import ModelEvaluator, ModelFunction, slice_tree
 from .precision import StepPrecision
@@ -372,7 +372,7 @@ class ModelProblem:
         in :meth:`linearize`: every rank raises.
         """
         group, fn = self.group, self.function
-        layers = kronecker_layers(fn.model, fn.names, fn.numels)
+        layers = kronecker_blocks(fn.model, fn.names, fn.params)
         wide = torch.float64
         shapes = [tuple(layer.index.shape) for layer in layers]
 

@@ -716,8 +716,8 @@ def _frozen_first_layer() -> nn.Module:
 )
 def test_reverse_outer_product_rule_matches_jacrev(make, shape, expect_rule, monkeypatch):
     # Every layer's Jᵀr and diag(JᵀJ) from its factors, however small (checked below).
-    monkeypatch.setattr(jacobian, "_FACTOR_MIN_ENTRIES", 0)
-    monkeypatch.setattr(jacobian, "_FACTOR_GAIN", 0)
+    monkeypatch.setattr(jacobian.factors, "FACTOR_MIN_ENTRIES", 0)
+    monkeypatch.setattr(jacobian.factors, "FACTOR_GAIN", 0)
     torch.manual_seed(4)
     model = make()
     x = torch.randn(*shape, dtype=DT)
@@ -788,7 +788,7 @@ def test_row_products_from_factors_only_where_j_is_large():
     params = {k: p.detach() for k, p in wide.named_parameters()}
     x, y = torch.randn(64, 64, dtype=DT), torch.randint(0, 10, (64,))
     J, r = make_jacobian("reverse")(prob.program, params, x, y)
-    assert J.numel() >= jacobian._FACTOR_MIN_ENTRIES
+    assert J.numel() >= jacobian.factors.FACTOR_MIN_ENTRIES
     held = prob.program.row_products
     products = held.take(J, col_sq=False)
     # J Jᵀ only when asked for: it holds the rows (the primal form lets them go).
@@ -879,7 +879,7 @@ def test_outer_product_rule_is_checked_once_per_input_signature():
 
 
 def test_linear_layers_declines_models_with_other_parameterised_modules():
-    from secondorder.lm.jacobian import linear_layers
+    from secondorder.lm.jacobian import outer_product_layers as linear_layers
 
     conv3d = nn.Sequential(nn.Conv3d(1, 2, 3), nn.Flatten(), nn.Linear(2, 2)).to(DT)
     names, params = named_trainable(conv3d)

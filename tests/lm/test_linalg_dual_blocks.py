@@ -176,7 +176,7 @@ def _classifier_steps(monkeypatch: pytest.MonkeyPatch, factors: bool) -> tuple[T
     from secondorder.lm import jacobian
 
     if not factors:
-        monkeypatch.setattr(jacobian, "_FACTOR_GAIN", 10**9)
+        monkeypatch.setattr(jacobian.factors, "FACTOR_GAIN", 10**9)
     calls = []
     real = jacobian.FactorGram.__call__
     monkeypatch.setattr(

@@ -20,7 +20,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from secondorder._lapack import factor_size, pad_identity, shifted_cholesky_solve
+from secondorder._lapack import (
+    factor_size,
+    pad_cpu_cholesky,
+    pad_identity,
+    shifted_cholesky_solve,
+)
 
 from .core import run_line
 
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 264, 512, 768, 1024])
     ap.add_argument("--rounds", type=int, default=0, help="0: by size")
     args = ap.parse_args(argv)
+    pad_cpu_cholesky(True)  # the padded side of the comparison (off by default)
     torch.set_num_threads(args.threads)
     print(run_line())
     print(

@@ -1,5 +1,9 @@
 """Keep glibc from handing a step's large temporaries back to the kernel every step.
 
+Nothing here runs unless the user calls :func:`raise_allocator_thresholds` (also
+:func:`secondorder.tuning.raise_allocator_thresholds`): it changes the allocator of
+the whole process, which a library must not do behind its user's back.
+
 A CPU step of a mid-sized problem allocates and frees tensors of a few megabytes
 each (a layer's activations, the gradients a Jacobian rule propagates).  glibc's
 ``malloc`` maps blocks above its *mmap threshold* afresh and unmaps them on free,
@@ -7,9 +11,8 @@ and returns free memory at the top of its heap above its *trim threshold*.  Both
 thresholds start small (128 KiB and 256 KiB) and rise only after a mapped block
 is freed: the mmap threshold to that block's size, up to 32 MiB, the trim
 threshold to twice it (``man 3 mallopt``, "dynamic mmap threshold").  Until then
-every page of those temporaries is faulted in again on each step: on the sinc
-benchmark (20,000 points, float32) 1,000-4,000 page faults a step, 23% of its
-time (``python -m benchmarks.host_memory``).
+every page of those temporaries is faulted in again on each step
+(``python -m benchmarks.host_memory`` counts the faults and times the steps).
 
 :func:`raise_allocator_thresholds` frees one untouched block just under 32 MiB,
 once per process, which raises both thresholds to that dynamic maximum, the state

@@ -1,14 +1,16 @@
-"""Sizes at which a CPU Cholesky runs slowly, and the identity padding that avoids them.
+"""Sizes at which a CPU Cholesky may run slowly, and the identity padding that avoids them.
+
+Off unless the user asks for it (:func:`pad_cpu_cholesky`, also
+:func:`secondorder.tuning.pad_cpu_cholesky`): the sizes below were measured on one
+machine's CPU and LAPACK, and on another they are a guess.
 
 ``torch.linalg.cholesky_ex`` on the CPU copies its input's lower triangle into a
 column-major buffer and hands that to LAPACK.  When a column of that buffer is a
 multiple of 1 KiB long (float64 ``n = 128k``, float32 ``n = 256k``: the batch sizes
 people choose) the copy and LAPACK's blocked kernels keep evicting their own cache
-lines.  Measured on the 2-core CI machine (MKL, 2 threads, factor and one solve;
-``python -m benchmarks.lapack_sizes``): float64 0.41 ms at n = 256 against 0.29 ms
-for the same matrix padded to 272, 2.3 against 1.3 ms at 512, 11.8 against 7.5 ms at
-1024; float32 at 1024, 8.5 against 4.2 ms (13.7 against 6.0 ms on one thread).  The
-copy alone takes 182 µs at n = 256 and 23 µs at 264.
+lines; on the machine it was measured on (MKL), padding such sizes by 16 made the
+factorisation up to twice as fast (``python -m benchmarks.lapack_sizes`` measures
+yours).
 
 ``blockdiag(M, I)`` has the Cholesky factor ``blockdiag(L, I)`` and the inverse
 ``blockdiag(M⁻¹, I)``, and it is positive definite exactly when ``M`` is, so factoring
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["factor_size", "pad_identity", "shifted_cholesky_solve"]
+__all__ = ["factor_size", "pad_cpu_cholesky", "pad_identity", "shifted_cholesky_solve"]
 
 #: Column lengths (bytes) whose multiples are slow; padding adds 16 entries.
 _ALIASED_BYTES = 1024
@@ -35,9 +37,31 @@ _MIN_ALIASED = 256
 _MIN_ROUNDED = 512
 
 
+#: Whether CPU Cholesky sizes are padded (:func:`pad_cpu_cholesky`); off by default.
+_padding = False
+
+
+def pad_cpu_cholesky(enabled: bool = True) -> bool:
+    """Pad CPU Cholesky factorisations away from slow sizes (or stop); returns the previous setting.
+
+    A process-wide switch the user turns: every family's CPU Cholesky (LM's solver,
+    K-FAC's inverses, Shampoo's root inverses) then factors ``blockdiag(M, I)`` at
+    :func:`factor_size`.  The factor and the solution are those of ``M``; only the
+    rounding of the blocked kernels may differ.
+    """
+    global _padding
+    if not isinstance(enabled, bool):
+        raise TypeError(f"Invalid enabled={enabled!r}: must be True or False.")
+    previous, _padding = _padding, enabled
+    return previous
+
+
 def factor_size(n: int, dtype: torch.dtype, device: torch.device | str) -> int:
-    """The order at which to factor an ``n × n`` matrix: ``n``, or a little more."""
-    if torch.device(device).type != "cpu":
+    """The order at which to factor an ``n × n`` matrix: ``n``, or a little more when padding.
+
+    ``n`` unless :func:`pad_cpu_cholesky` turned the padding on and ``device`` is the CPU.
+    """
+    if not _padding or torch.device(device).type != "cpu":
         return n
     size = n if n < _MIN_ROUNDED else -(-n // _PAD) * _PAD
     if size >= _MIN_ALIASED and (size * dtype.itemsize) % _ALIASED_BYTES == 0:

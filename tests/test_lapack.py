@@ -10,8 +10,33 @@ from __future__ import annotations
 import pytest
 import torch
 
+import secondorder.tuning
 from secondorder._lapack import factor_size, pad_identity, shifted_cholesky_solve
 from secondorder.kfac.layers.base import spd_cholesky, spd_inverse
+
+
+@pytest.fixture
+def padding():
+    """Padding turned on for one test (it is off unless the user asks)."""
+    previous = secondorder.tuning.pad_cpu_cholesky(True)
+    yield
+    secondorder.tuning.pad_cpu_cholesky(previous)
+
+
+@pytest.fixture(params=[False, True], ids=["unpadded", "padded"])
+def either(request: pytest.FixtureRequest):
+    """Each test once without and once with the padding."""
+    previous = secondorder.tuning.pad_cpu_cholesky(request.param)
+    yield
+    secondorder.tuning.pad_cpu_cholesky(previous)
+
+
+def test_padding_is_off_unless_asked_for() -> None:
+    assert factor_size(256, torch.float64, "cpu") == 256
+    k = _spd(256, torch.float64)
+    assert pad_identity(k) is k
+    with pytest.raises(TypeError, match=r"Invalid enabled='yes': must be True or False"):
+        secondorder.tuning.pad_cpu_cholesky("yes")  # type: ignore[arg-type]
 
 
 def _spd(n: int, dtype: torch.dtype, batch: tuple[int, ...] = (), seed: int = 0) -> torch.Tensor:
@@ -37,7 +62,7 @@ def _spd(n: int, dtype: torch.dtype, batch: tuple[int, ...] = (), seed: int = 0)
         (1296, torch.float64, 1296),
     ],
 )
-def test_factor_size(n: int, dtype: torch.dtype, size: int) -> None:
+def test_factor_size(n: int, dtype: torch.dtype, size: int, padding: None) -> None:
     assert factor_size(n, dtype, "cpu") == size
     assert factor_size(n, dtype, "meta") == n  # only the CPU's LAPACK is padded
     # The size factored at never has 1 KiB columns itself.
@@ -55,7 +80,9 @@ def test_pad_identity_is_blockdiag_and_returns_the_matrix_when_it_fits() -> None
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("n", [7, 256, 264, 512])
-def test_shifted_cholesky_solve_matches_torch_solve(n: int, dtype: torch.dtype) -> None:
+def test_shifted_cholesky_solve_matches_torch_solve(
+    n: int, dtype: torch.dtype, either: None
+) -> None:
     k = _spd(n, dtype)
     kept = k.clone()
     gen = torch.Generator().manual_seed(1)
@@ -74,7 +101,7 @@ def test_shifted_cholesky_solve_matches_torch_solve(n: int, dtype: torch.dtype) 
 
 
 @pytest.mark.parametrize("n", [6, 256])
-def test_shifted_cholesky_solve_reports_an_indefinite_matrix(n: int) -> None:
+def test_shifted_cholesky_solve_reports_an_indefinite_matrix(n: int, either: None) -> None:
     # Padded or not, info is nonzero exactly when k + shift is not positive definite:
     # the identity block never hides a failure in the top-left block.
     k = _spd(n, torch.float64)
@@ -86,7 +113,7 @@ def test_shifted_cholesky_solve_reports_an_indefinite_matrix(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [5, 256, 512])
-def test_kfac_inverse_and_factor_through_the_padding(n: int) -> None:
+def test_kfac_inverse_and_factor_through_the_padding(n: int, either: None) -> None:
     k = _spd(n, torch.float64, batch=(2,))
     inv = spd_inverse(k)
     assert inv.shape == k.shape

@@ -66,7 +66,7 @@ def curve_fit(
     """Fit ``ydata ≈ f(xdata, *params)``; scipy.optimize.curve_fit's call and return values.
 
     Minimises ``Σ ((f(xdata, *p) - ydata) / sigma)²`` by Levenberg-Marquardt
-    (:func:`~secondorder.least_squares`) and returns the optimal parameters and their
+    (:func:`~secondorder.fitting.least_squares`) and returns the optimal parameters and their
     covariance (see :func:`covariance` for its meaning)::
 
         def decay(t, a, k):
@@ -102,7 +102,7 @@ def curve_fit(
         bounds: ``(lb, ub)`` or a ``scipy.optimize.Bounds``.
         method: ``"lm"``, ``"trf"``, ``"dogbox"`` or ``None`` (scipy's: "lm" without
             bounds, else "trf"; "trf" also when a robust ``loss`` is passed), with
-            :func:`~secondorder.least_squares`'s meaning: all run secondorder's LM, and
+            :func:`~secondorder.fitting.least_squares`'s meaning: all run secondorder's LM, and
             "lm" refuses bounds and more parameters than data points, as scipy does.
         jac: ``None`` (exact derivatives for a torch ``f``), ``"2-point"``,
             ``"3-point"``, ``"cs"``, or ``jac(x, p1, ..., pn) -> (m, n)`` of ``f``.
@@ -115,7 +115,7 @@ def curve_fit(
         nan_policy: ``None``; ``"raise"`` (NaN in the data raises); ``"omit"`` (points
             where ``xdata`` or ``ydata`` is NaN are dropped, with their ``sigma``);
             ``"propagate"`` is refused, as scipy refuses it.
-        **kwargs: passed to :func:`~secondorder.least_squares` (``ftol``, ``xtol``,
+        **kwargs: passed to :func:`~secondorder.fitting.least_squares` (``ftol``, ``xtol``,
             ``gtol``, ``max_nfev``, ``loss``, ``f_scale``, ``x_scale``, ``diff_step``,
             ...); scipy's ``maxfev`` is read as ``max_nfev``.  Not ``args`` or
             ``kwargs``: ``f`` takes its parameters only, nor leastsq's ``epsfcn``,

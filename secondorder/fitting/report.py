@@ -152,7 +152,7 @@ def covariance(res: OptimizeResult, absolute_sigma: bool = False) -> Any:
     ``res.jac`` the Jacobian scaled for it (scipy's), as in scipy's ``curve_fit``.
 
     Args:
-        res: the result of :func:`~secondorder.least_squares` (or anything with
+        res: the result of :func:`~secondorder.fitting.least_squares` (or anything with
             ``jac``, ``cost`` and ``x``).
         absolute_sigma: whether the residuals are in units of the data's standard
             deviation.
@@ -410,7 +410,7 @@ def fit_report(
         print(so.fit_report(res, names=["amplitude", "rate"]))
 
     Args:
-        res: the result of :func:`~secondorder.least_squares` (the ``"result"`` entry
+        res: the result of :func:`~secondorder.fitting.least_squares` (the ``"result"`` entry
             of :func:`curve_fit`'s ``infodict`` with ``full_output=True``).
         names: one name per parameter (default ``p0, p1, ...``).
         absolute_sigma: see :func:`covariance`.

@@ -6,8 +6,8 @@ left waiting in the next collective.  :func:`check_batch` probes ``residual_fn``
 one or two samples to learn the residual count and to refuse a wrong dtype or shape
 with a message that says how to fix it.
 
-The probe is a forward pass of the model (0.25 ms of a 6.5 ms step of a small CNN on
-256 samples), and its verdict depends on the batch's shapes, not its values:
+The probe is a forward pass of the model on a sample or two, and its verdict depends
+on the batch's shapes, not its values:
 :class:`ProbeCache` keeps it per :func:`batch_signature` (the tree, type, shape,
 dtype and device of every input and target, the values of non-tensor leaves, and the
 model's modules with their training flags), so a stream of batches of one shape is

@@ -95,7 +95,7 @@ def _settings_of(config: LMConfig) -> dict[str, Any]:
 
 
 def saved_settings(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`~secondorder.config.LMConfig` settings a checkpoint was written with.
+    """The :class:`~secondorder.lm.config.LMConfig` settings a checkpoint was written with.
 
     ``LevenbergMarquardt(model, **saved_settings(sd))`` builds an optimizer that
     :meth:`~secondorder.lm.LevenbergMarquardt.load_state_dict` accepts ``sd`` into

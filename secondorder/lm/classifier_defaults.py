@@ -58,8 +58,8 @@ _CLASSIFIER_ADAPTERS = (cross_entropy, binary_cross_entropy, binary_cross_entrop
 def is_classifier_residual(residual_fn: object) -> bool:
     """Whether ``residual_fn`` is a square-root cross-entropy adapter.
 
-    :func:`~secondorder.residuals.cross_entropy` and
-    :func:`~secondorder.residuals.binary_cross_entropy` (and its form on
+    :func:`~secondorder.lm.residuals.cross_entropy` and
+    :func:`~secondorder.lm.residuals.binary_cross_entropy` (and its form on
     probabilities), also inside a :func:`functools.partial` (an ``eps`` bound, say) or
     mapped from a torch loss (``torch.nn.CrossEntropyLoss()``, ``BCEWithLogitsLoss``,
     ``BCELoss``).

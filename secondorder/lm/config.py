@@ -49,10 +49,8 @@ class LMConfig:
         damping_shrink: the largest factor by which Nielsen's rule lowers λ after
             an accepted step, ``λ ← λ·max(1/damping_shrink, 1 - (2ρ - 1)³)``; a
             number > 1, Nielsen's 3 by default.  A larger value lets λ fall faster
-            while the gain ratio stays near 1 (the end of a fit).  On the sinc
-            benchmark 10 took fewer steps to MSE 1e-6 from 10 of 12 initialisations
-            at 1 thread but from 2 of 4 at 2 threads: not a robust win, so not the
-            default (``benchmarks/NOTES.md``, "Fewer steps on sinc").  Only with
+            while the gain ratio stays near 1 (the end of a fit); it was not a
+            robust win on the benchmarks, so it is not the default.  Only with
             ``damping_rule="nielsen"``.
         damping_matrix: ``"marquardt"`` (diag JᵀJ), ``"identity"`` or ``"more"``.
             :meth:`for_residual` makes ``"identity"`` the default of the cross-entropy
@@ -60,16 +58,16 @@ class LMConfig:
             weights a batch hardly touches (``classifier_defaults``).
         damping_min, damping_max: bounds on λ; reaching the maximum ends training.
         jacobian: ``"auto"``, ``"reverse"``, ``"forward"``, ``"batch_reverse"``,
-            ``"batch_forward"`` (see :mod:`secondorder.jacobian`).
+            ``"batch_forward"`` (see :mod:`secondorder.lm.jacobian`).
         solver: ``"auto"``, ``"cholesky"``, ``"eigh"``, ``"qr"``, ``"cg"``.
         form: ``"auto"`` (dual when residuals < parameters), ``"primal"``, ``"dual"``.
         max_attempts: attempts (λ values) per step before the step gives up.
         slice_size: samples per Jacobian slice; ``None``: the largest slice within
             ``memory_budget`` whose step fits the memory available.
         memory_budget: bytes a Jacobian slice may take when ``slice_size`` is None.
-        memory_limit: bytes one step may use in all (see :mod:`secondorder.planner`);
+        memory_limit: bytes one step may use in all (see :mod:`secondorder.lm.planner`);
             ``None``: 90% of the device's free memory, measured before each step.
-            A step that cannot fit raises :class:`~secondorder.planner.PlanError`
+            A step that cannot fit raises :class:`~secondorder.lm.planner.PlanError`
             before allocating anything, and ``solver="auto"`` picks one that fits.
         geodesic: add geodesic acceleration (Transtrum & Sethna).
         geodesic_alpha: largest accepted ``2‖a‖/‖v‖``.
@@ -82,15 +80,12 @@ class LMConfig:
             below that; in the dual form float32 also below that λ when the float32
             matrix's smallest eigenvalue is certified large enough (independent
             rows, the usual mini-batch of a wide network); float64 for every other
-            parameter dtype (see :mod:`secondorder.precision`).  The float64 product
-            costs about 2.5x the float32 one; a float32 matrix throughout cannot take
-            the small-λ steps that need its lost digits.
-            ``benchmarks/precision_seeds.py`` (sinc(10x), 2,000 points, 6
-            initialisations, 400 steps, one thread):
-            final MSE at most 8.4e-8 (float64), 3.0e-8 (float32), 1.2e-8
-            ("auto"), in 2.0-2.4 s, 1.4-1.8 s and 1.8-2.0 s; "auto" took 46-82% of
-            its steps in float32.  ``torch.float32`` or ``torch.float64`` fix the
-            dtype; ``None`` uses the parameters' dtype.
+            parameter dtype (see :mod:`secondorder.lm.precision`).  A float64
+            product costs more than a float32 one; a float32 matrix throughout
+            cannot take the small-λ steps that need its lost digits
+            (``benchmarks/precision_seeds.py`` compares the three).
+            ``torch.float32`` or ``torch.float64`` fix the dtype; ``None`` uses the
+            parameters' dtype.
         gram_auto_tol: under ``gram_dtype="auto"``, the largest relative error of
             the solve that float32 may introduce, in (0, 1).  The default 0.1 plays
             the part of an inexact-Newton forcing term: a step within 10% of the

@@ -305,7 +305,7 @@ def _fill_region(
 
 
 DAMPING_RULES = ("nielsen", "multiplicative")
-#: The rules :func:`~secondorder.least_squares` accepts: the trust region too, whose
+#: The rules :func:`~secondorder.fitting.least_squares` accepts: the trust region too, whose
 #: radius the model optimizer's checkpoints do not carry.
 FITTING_DAMPING_RULES = (*DAMPING_RULES, "trust")
 

@@ -5,7 +5,7 @@ point and evaluate ``Σ r²`` at a trial point) and the parts chosen by the user
 linear solver, a damping rule and a damping matrix.  It owns the loop of attempts,
 the gain-ratio acceptance and the termination tests; the model optimizer
 (:class:`~secondorder.lm.LevenbergMarquardt`) and the functional
-:func:`~secondorder.least_squares.least_squares` are both thin drivers around
+:func:`~secondorder.fitting.least_squares` are both thin drivers around
 :func:`iterate`.
 
 An attempt with damping λ solves ``(JᵀJ + λD) v = -Jᵀr``, optionally adds geodesic

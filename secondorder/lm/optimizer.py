@@ -24,7 +24,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._host_memory import raise_allocator_thresholds
 from ..distributed import Reducer, resolve_reducer
 from ..distributed.devices import replicate_module, resolve_devices, sync_replica
 from .batch import ProbeCache, check_step
@@ -94,11 +93,11 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         model: the :class:`torch.nn.Module` to train; its trainable parameters
             (``requires_grad=True``) are the unknowns.
         residual_fn: ``(outputs, targets) -> residuals`` (first dimension the batch),
-            one of :mod:`secondorder.residuals`, or a
-            :class:`~secondorder.residuals.ModelResidual` for residuals that need the
+            one of :mod:`secondorder.lm.residuals`, or a
+            :class:`~secondorder.lm.residuals.ModelResidual` for residuals that need the
             model itself (physics-informed losses).  Default :func:`~.residuals.mse`.
             A torch loss module (``torch.nn.MSELoss()``, ``CrossEntropyLoss()``, ...)
-            is mapped onto its adapter (:func:`~secondorder.residuals.from_torch_loss`).
+            is mapped onto its adapter (:func:`~secondorder.lm.residuals.from_torch_loss`).
         lr: scales every update.  1 is the LM step; below 1 damps it further.
         damping: the initial λ.
         devices: several devices of this process to compute on, e.g.
@@ -113,7 +112,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             ``torch.distributed.is_initialized()``; otherwise the optimizer runs on
             one process.  Pass ``reducer=LocalReducer()`` to train independent
             models on the ranks of an initialised group.
-        **options: every other field of :class:`~secondorder.config.LMConfig`
+        **options: every other field of :class:`~secondorder.lm.config.LMConfig`
             (``damping_rule``, ``damping_matrix``, ``jacobian``, ``solver``, ``form``,
             ``max_attempts``, ``slice_size``, ``geodesic``, ``ftol``/``xtol``/``gtol``,
             ``gram_dtype``, ...).  Cross-entropy residuals (``cross_entropy``,
@@ -162,7 +161,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
     the dual form and for QR and CG.  Without a ``slice_size``, slices are at most
     ``ceil(batch / len(devices))`` samples, so every device gets work; samples that
     interact (BatchNorm in training mode, a
-    :class:`~secondorder.residuals.ModelResidual`) are never sliced and run on the
+    :class:`~secondorder.lm.residuals.ModelResidual`) are never sliced and run on the
     first device.  Inputs and targets may arrive on any device; each slice is moved
     to its own.  The result is the step one device would take, up to the order in
     which the per-device Grams are added (the dual form, QR and CG give the same
@@ -233,9 +232,6 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         # identity on one process).
         self._agree_across_ranks(named, residual_fn)
         super().__init__([p for _, p in named], {"lr": lr})
-        if any(d.type == "cpu" for d in (*group.devices, group.solver)):
-            # A step's temporaries of a few MB otherwise fault in afresh every step.
-            raise_allocator_thresholds()
         self.model = model
         self.residual_fn = residual_fn
         #: Whether inputs may arrive on any device (they are moved slice by slice).
@@ -354,7 +350,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
 
     @property
     def memory_plan(self) -> MemoryPlan | None:
-        """The :class:`~secondorder.planner.MemoryPlan` of the last step (or plan)."""
+        """The :class:`~secondorder.lm.planner.MemoryPlan` of the last step (or plan)."""
         return self._memory_plan
 
     def internals(self) -> LMInternals:
@@ -375,7 +371,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
     ) -> tuple[BatchSetup, int, float]:
         """Validate the batch and resolve its choices: (setup, all ranks' residuals, lr).
 
-        Raises :class:`~secondorder.planner.PlanError` when the step cannot fit, before
+        Raises :class:`~secondorder.lm.planner.PlanError` when the step cannot fit, before
         J is computed.
         """
         found = check_step(
@@ -409,7 +405,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         :meth:`step` would), but J is not computed and nothing is updated.  The plan
         is returned even when it does not fit (``plan.fits`` is False and
         ``plan.advice`` lists what would); :meth:`step` raises
-        :class:`~secondorder.planner.PlanError` for it.  ``print(opt.plan(x, y))``
+        :class:`~secondorder.lm.planner.PlanError` for it.  ``print(opt.plan(x, y))``
         shows the bytes of each stage.  With several ranks, call it on every rank.
         """
         inputs, targets = _unpack_batch(inputs, targets)

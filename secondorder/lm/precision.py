@@ -6,12 +6,10 @@ matrix (``S = D^-½ JᵀJ D^-½`` with ``D ≥ diag(JᵀJ)``, so ``diag(S) ≤ 1
 matrix is ``S + λI``, whose smallest eigenvalue is at least λ.  A perturbation ``E``
 of ``S`` moves the solution of ``(S + λI) z = b`` by at most about ``‖E‖₂ / λ``
 relative to ``z``.  The rounding error of a float32 accumulation over ``k`` terms
-behaves like ``‖E‖₂ ≈ u·√k`` in these units (``u = 2⁻²⁴``): measured at the
-benchmark's sinc problems, 4.5e-6 against the estimate 8.4e-6 for 20,000 × 193 and
-8e-6 to 1.6e-5 against 9.4e-6 for 25,000 × 769.  So while λ is large the float32
-matrix gives the same step to a fraction of a percent, and only when λ falls toward
-Gauss-Newton do its lost digits show (sinc on 20,000 points: relative step error
-1e-3 at λ = 1e-3, 5e-2 at 1e-5, above 1 at 1e-6).
+behaves like ``‖E‖₂ ≈ u·√k`` in these units (``u = 2⁻²⁴``; the benchmark's sinc
+problems stay within that estimate).  So while λ is large the float32 matrix gives
+the same step to a fraction of a percent, and only when λ falls toward Gauss-Newton
+do its lost digits show.
 
 :class:`GramPrecision` turns that into a rule.  With ``gram_dtype="auto"`` (the
 default) and float32 parameters it uses float32 when the estimated error is at most
@@ -23,16 +21,14 @@ default) and float32 parameters it uses float32 when the estimated error is at m
   bounded by 1: ``ε = u·√n·s`` with ``s`` its mean diagonal entry, the trace over
   ``m``, which with ``D = diag(JᵀJ)`` is the number of nonzero columns over ``m``.
   It is read from the device together with the loss, so the choice adds no
-  synchronisation.  Measured on the benchmark's digits problems: ``‖E‖₂`` 1.5e-4 to
-  2.9e-4 against the estimate 1.0e-3 to 1.1e-3 (128 × 19,210), 1.1e-5 to 1.4e-5
-  against 2.4e-5 to 2.6e-5 (256 × 2,410): conservative by 2-7x, where the largest
-  diagonal entry in place of the mean would be 15-40x.
+  synchronisation.  On the benchmark's digits problems the estimate is conservative
+  by a small factor, where the largest diagonal entry in place of the mean would
+  overestimate by an order of magnitude more.
 
 Between the two, the primal Gram can be summed in float64 from float32 products of
 row chunks (:meth:`GramPrecision.chunk_rows`): a chunk of b rows rounds by about
 ``u·√b`` of its share, so chunks as large as ``tol·λ`` allows give a float64 Gram at
-about the float32 product's cost (sinc, 20,000 × 193: 8.4 ms for chunks of 2,048 rows
-against 7.5 ms for one float32 product and 21.4 ms in float64, 2 threads).  On sinc
+about the float32 product's cost.  On sinc
 the Gram's own smallest eigenvalue is at rounding level (the network's Jacobian is
 rank-deficient in these units), so unlike the dual form's no floor helps there.
 
@@ -188,10 +184,8 @@ class GramPrecision:
         Where :meth:`choose` refuses float32 over all ``rows`` (``u·√rows > tol·λ``),
         the Gram can still be summed in float64 from float32 products ``JcᵀJc`` of
         row chunks of b rows: each chunk's rounding is about ``u·√b`` of its own
-        share of the diagonal, so the sum's is at most ``u·√b`` (measured on sinc's
-        20,000 × 193 Jacobian: 7.6e-7 at b = 2048 against 2.7e-6, where one float32
-        product has 3.7e-6), at 1.1x one float32 product's time instead of float64's
-        2.9x.  Returns the largest power-of-two b with ``u·√b ≤ tol·λ``, at least
+        share of the diagonal, so the sum's is at most ``u·√b``, at about one float32
+        product's time.  Returns the largest power-of-two b with ``u·√b ≤ tol·λ``, at least
         :data:`MIN_CHUNK_ROWS`; ``None`` where float32 over all rows suffices, where
         no such b exists, or where the dtype does not vary.
         """

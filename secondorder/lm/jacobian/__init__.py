@@ -24,7 +24,7 @@ cost:
 * ``"batch_reverse"`` / ``"batch_forward"``: differentiate the residual vector of
   the whole slice at once.  Needed when samples interact (BatchNorm in training mode
   normalises with batch statistics, so a per-sample Jacobian would be wrong) and for
-  :class:`~secondorder.residuals.ModelResidual`.  Reverse costs one backward per
+  :class:`~secondorder.lm.residuals.ModelResidual`.  Reverse costs one backward per
   residual of the slice, forward one forward per parameter; the cheaper is taken
   under ``"auto"``.
 

@@ -4,7 +4,7 @@
 iteration run:
 
 * ``"torch"`` (default): ``torch.linalg`` on the parameters' device
-  (:mod:`secondorder.linalg`).
+  (:mod:`secondorder.lm.linalg`).
 * ``"numpy"``: NumPy's LAPACK on the host: the reference for, and the test of, the
   array-module path that cuPyNumeric takes.
 * ``"cupynumeric"``: NVIDIA cuPyNumeric on Legate, which spreads arrays and the
@@ -23,8 +23,8 @@ right-hand side crosses in and the step out once per λ.  Everything before
 (Jacobian, reduction over slices and ranks) and after (trial points, acceptance)
 stays in torch, so the distributed reducers work unchanged.
 
-The solvers mirror :class:`~secondorder.linalg.CholeskySolver` and
-:class:`~secondorder.linalg.EighSolver`, primal and dual:
+The solvers mirror :class:`~secondorder.lm.linalg.CholeskySolver` and
+:class:`~secondorder.lm.linalg.EighSolver`, primal and dual:
 
 * ``"cholesky"``: per λ, ``L Lᵀ = JᵀJ + λD`` (or ``Js Jsᵀ + λI``) and two
   triangular systems, solved with ``linalg.solve`` since the NumPy API has no
@@ -283,7 +283,7 @@ class ArrayCholeskySolver(_ArraySolver):
     """Cholesky of the damped normal matrix per λ, on NumPy or cuPyNumeric.
 
     Primal: ``JᵀJ + λD`` (n×n); dual: ``Js Jsᵀ + λI`` (m×m) with ``Js = J D^-½``.
-    The same equations as :class:`~secondorder.linalg.CholeskySolver`; choose it with
+    The same equations as :class:`~secondorder.lm.linalg.CholeskySolver`; choose it with
     ``linalg_backend="cupynumeric"`` when that matrix should be factored across GPUs.
     """
 
@@ -306,7 +306,7 @@ class ArrayCholeskySolver(_ArraySolver):
 class ArrayEighSolver(_ArraySolver):
     """One eigendecomposition per iteration on NumPy or cuPyNumeric; retries are O(n²).
 
-    The same equations as :class:`~secondorder.linalg.EighSolver`: the best choice
+    The same equations as :class:`~secondorder.lm.linalg.EighSolver`: the best choice
     when many λ retries are expected, and the only one that never factors an
     indefinite matrix.
     """

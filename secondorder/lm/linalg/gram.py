@@ -22,8 +22,8 @@ def gram_blocks(n: int) -> int:
     and above the diagonal need a product, ``(k+1)/2k`` of a general product's
     flops (75% for k = 2, 62.5% for k = 4), and the rest is a copy.  Each block
     product must stay wide enough for the matrix-multiply kernel to run near its
-    peak: blocks are at least 96 columns, and at most 4 (measured on 2 CPU
-    threads: 1.2x faster at 193 columns with 2 blocks, 1.4x at 769 with 3 or 4).
+    peak: blocks are at least 96 columns, and at most 4
+    (``python -m benchmarks.gram_blocks`` times the choices).
     """
     return max(1, min(4, n // 96))
 
@@ -80,11 +80,8 @@ def dual_blocks(m: int, device: torch.device | None = None) -> int:
     """Row blocks :func:`symmetric_product` splits an m-row product into.
 
     As in :func:`gram_blocks`, only the blocks on and above the diagonal need a
-    product: 75% of the flops with 2 blocks.  Two blocks from 64 rows on, no more
-    (measured, 300 interleaved rounds, float32: at 1 thread 128 × 19,210 in 10.0 ms
-    median against 11.9 ms for one product, 256 × 1,370 in 1.48 against 1.90 ms, and 4
-    blocks no faster; at 2 threads on a loaded machine 4 blocks of 32 rows took twice
-    the single product's median at 128 × 19,210, where 2 blocks matched it).  One
+    product: 75% of the flops with 2 blocks.  Two blocks from 64 rows on, no more (more
+    blocks of few rows were no faster where it was measured), and one
     block off the CPU, where a single launch is cheaper at these sizes.
     """
     if device is not None and device.type != "cpu":

@@ -68,7 +68,7 @@ class _QR(Factorization):
 class QRSolver(LinearSolver):
     """QR of J itself (MINPACK's approach): squares no condition number.
 
-    ``host=True`` (the functional :func:`~secondorder.least_squares`): a float64 J on
+    ``host=True`` (the functional :func:`~secondorder.fitting.least_squares`): a float64 J on
     the CPU with at most :data:`HOST_MAX_N` columns is factored on the host instead
     (:class:`~.host_svd.HostSVD`), where a per-λ solve costs microseconds, not torch
     calls.

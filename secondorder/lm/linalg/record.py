@@ -64,7 +64,7 @@ class NormalEquations:
             stays in the units of the unscaled problem).  ``None``: use ``col_sq``.
         dual_scale: the mean diagonal entry of ``J diag(col_sq)⁻¹ Jᵀ`` (0-d; the
             number of nonzero columns over the number of rows), when the dual form's
-            precision choice needs it (:mod:`secondorder.precision`); read with
+            precision choice needs it (:mod:`secondorder.lm.precision`); read with
             :meth:`scalars`.
         kronecker: the K-FAC factors of the model's layers, summed over ranks, when the
             CG solver preconditions with them (:mod:`secondorder.lm.kfac_cg`).

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # own index: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_INDEX ?=
 
-.PHONY: venv demo bench bench-quick bench-cuda test-cuda scaling bench-kfac bench-shampoo scaling-shampoo reliability test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick bench-cuda test-cuda scaling bench-kfac bench-shampoo bench-peers scaling-shampoo reliability test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ bench-kfac: $(VENV)/.bench
 
 bench-shampoo: $(VENV)/.bench
 	$(PY) -m benchmarks.shampoo_bench --quick --json out/shampoo/bench_quick.json
+
+# kfac-pytorch and DistributedShampoo (not on PyPI) beside secondorder in out/peers/venv:
+# from PEERS_DIR (archives or source trees; default ../shared/peers when present), else
+# from their git repositories at pinned commits. See benchmarks/PEERS.md.
+bench-peers: venv
+	$(PY) -m benchmarks.peers --torch-spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX)) $(if $(PEERS_DIR),--peers-dir $(PEERS_DIR))
 
 scaling-shampoo: venv
 	$(PY) -m benchmarks.shampoo_scaling

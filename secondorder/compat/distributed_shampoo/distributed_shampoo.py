@@ -1,0 +1,494 @@
+"""DistributedShampoo's constructor on top of :class:`secondorder.Shampoo`.
+
+Every option is translated into :class:`~secondorder.shampoo.Shampoo`'s, for the
+constructor's defaults and for each parameter group's overrides alike:
+
+=====================================  ==================================================
+DistributedShampoo                     secondorder.Shampoo
+=====================================  ==================================================
+``RootInvShampooPreconditionerConfig``  ``preconditioner="root_inverse"``,
+``EigendecomposedShampoo...Config``     ``root_inv_config=EigenConfig(...)`` or
+                                        ``CoupledNewtonConfig(...)``, ``factor_dtype``
+``EigenvalueCorrectedShampoo...Config`` ``preconditioner="eigenvalue_corrected"`` (eigh)
+``SGD/AdaGrad/RMSprop/Adam...Config``   ``grafting_config=...GraftingConfig``; as
+                                        ``preconditioner_config``: that method alone
+``ClassicMomentumConfig``               ``momentum``, ``dampening``, ``use_nesterov``
+``WeightDecayType.L2 / DECOUPLED``      ``use_decoupled_weight_decay=False / True``
+``start_preconditioning_step=-1``       ``None``
+``SingleDeviceDistributedConfig``       one process's optimizer on every rank
+``DDPDistributedConfig``                the blocks shared among the default group's
+                                        ranks, ``communication_dtype``
+=====================================  ==================================================
+
+Options secondorder does not implement are refused when the optimizer is built, with
+the option and the nearest supported choice named: KL-Shampoo, spectral and sign
+descent, QR eigenbases, generalized primal averaging and Schedule-Free, the FSDP/HSDP
+distributors (for now), ``beta3`` other than ``betas[0]``, the CORRECTED and
+INDEPENDENT weight decays, trace scaling, per-order exponent overrides, ignored basis
+dimensions, dropping the ``1 − β₂`` weight, and different dtypes for a factor and its
+root.  ``use_pin_memory``, ``use_symmetric_packing``, ``communicate_params``,
+``num_trainers_per_group``, ``load_balancing_config`` and the run-time and concurrency
+configs are accepted and change nothing numerical.  The state dict is
+:class:`~secondorder.shampoo.Shampoo`'s (torch.optim's layout), not DistributedShampoo's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from ..._keywords import check_keywords
+from ...distributed import LocalReducer
+from ...shampoo import (
+    AdaGradGraftingConfig,
+    AdamGraftingConfig,
+    RMSpropGraftingConfig,
+    SGDGraftingConfig,
+    Shampoo,
+)
+from ...shampoo import CoupledNewtonConfig as NativeCoupledNewton
+from ...shampoo import EigenConfig as NativeEigen
+from ...shampoo.config import GraftingConfig
+from .preconditioner.matrix_functions_types import (
+    CoupledHigherOrderConfig,
+    CoupledNewtonConfig,
+    EigenConfig,
+    EighEigendecompositionConfig,
+    PseudoInverseConfig,
+    QREigendecompositionConfig,
+)
+from .shampoo_types import (
+    AdaGradPreconditionerConfig,
+    AdamPreconditionerConfig,
+    ClassicMomentumConfig,
+    ConcurrencyConfig,
+    DDPDistributedConfig,
+    DefaultConcurrencyConfig,
+    DefaultShampooConfig,
+    DefaultShampooRuntimeConfig,
+    DefaultSingleDeviceDistributedConfig,
+    DistributedConfig,
+    EigendecomposedKLShampooPreconditionerConfig,
+    EigendecomposedShampooPreconditionerConfig,
+    EigenvalueCorrectedShampooPreconditionerConfig,
+    FSDPDistributedConfig,
+    FullyShardDistributedConfig,
+    GeneralizedPrimalAveragingConfig,
+    IterateAveragingConfig,
+    PreconditionerConfig,
+    RMSpropPreconditionerConfig,
+    RootInvKLShampooPreconditionerConfig,
+    RootInvShampooPreconditionerConfig,
+    ScheduleFreeConfig,
+    SGDPreconditionerConfig,
+    ShampooPT2CompileConfig,
+    ShampooRuntimeConfig,
+    SignDescentPreconditionerConfig,
+    SingleDeviceDistributedConfig,
+    SpectralDescentPreconditionerConfig,
+    WeightDecayType,
+)
+
+__all__ = ["DistributedShampoo"]
+
+#: The options a parameter group may override, with DistributedShampoo's defaults.
+GROUP_OPTIONS: dict[str, Any] = {
+    "lr": 1e-2,
+    "betas": (0.9, 1.0),
+    "beta3": -1.0,
+    "epsilon": 1e-12,
+    "weight_decay": 0.0,
+    "weight_decay_type": WeightDecayType.DECOUPLED,
+    "max_preconditioner_dim": 1024,
+    "precondition_frequency": 1,
+    "start_preconditioning_step": -1,
+    "use_bias_correction": True,
+    "iterate_averaging_config": None,
+    "grafting_config": None,
+    "use_pin_memory": False,
+    "distributed_config": DefaultSingleDeviceDistributedConfig,
+    "preconditioner_config": DefaultShampooConfig,
+}
+
+#: Names of older DistributedShampoo releases and of so.Shampoo, with what to pass here.
+KNOWN = {
+    "momentum": "pass iterate_averaging_config=ClassicMomentumConfig(momentum=...).",
+    "dampening": "pass iterate_averaging_config=ClassicMomentumConfig(dampening=...).",
+    "use_nesterov": "pass iterate_averaging_config=ClassicMomentumConfig(use_nesterov=True).",
+    "use_decoupled_weight_decay": (
+        "pass weight_decay_type=WeightDecayType.DECOUPLED (True) or WeightDecayType.L2 (False)."
+    ),
+    "precision_config": (
+        "pass preconditioner_config=RootInvShampooPreconditionerConfig(factor_matrix_dtype=..., "
+        "inv_factor_matrix_dtype=...)."
+    ),
+    "preconditioner_dtype": (
+        "pass preconditioner_config=RootInvShampooPreconditionerConfig(factor_matrix_dtype=...)."
+    ),
+    "preconditioner_computation_config": (
+        "pass preconditioner_config=RootInvShampooPreconditionerConfig("
+        "amortized_computation_config=...)."
+    ),
+    "use_protected_eigh": "pass EigenConfig(retry_double_precision=...) in preconditioner_config.",
+    "track_root_inv_residuals": "it is not supported; drop it.",
+    "preconditioner": "that is secondorder.Shampoo's option; pass preconditioner_config=... here.",
+    "root_inv_config": "that is secondorder.Shampoo's option; pass preconditioner_config=... here.",
+    "factor_dtype": (
+        "that is secondorder.Shampoo's option; pass preconditioner_config="
+        "RootInvShampooPreconditionerConfig(factor_matrix_dtype=...) here."
+    ),
+}
+
+#: ``start_preconditioning_step`` of a group that never preconditions.
+NEVER = 2**62
+#: Block size of a group whose preconditioner_config is a diagonal method: its (unused)
+#: factors then cost about twice the parameters' memory.
+DIAGONAL_BLOCK = 8
+
+
+def _refuse(option: str, value: Any, nearest: str, why: str = "") -> ValueError:
+    shown = (
+        type(value).__name__ + "(...)" if hasattr(value, "__dataclass_fields__") else repr(value)
+    )
+    return ValueError(
+        f"DistributedShampoo: {option}={shown} is not supported by secondorder"
+        + (f" ({why})" if why else "")
+        + f"; the nearest supported choice is {nearest}."
+    )
+
+
+def _grafting(option: str, cfg: Any) -> GraftingConfig | None:
+    """A diagonal method's config as so.Shampoo's grafting config."""
+    if cfg is None:
+        return None
+    if isinstance(cfg, RMSpropPreconditionerConfig):  # Adam is an RMSprop config too
+        if cfg.drop_weighting_factor_on_gsquare:
+            raise _refuse(
+                f"{option}.drop_weighting_factor_on_gsquare",
+                True,
+                "False",
+                "the second moment is always a weighted average",
+            )
+        if cfg.beta2 == 1.0:
+            raise _refuse(
+                f"{option}.beta2",
+                1.0,
+                "AdaGradPreconditionerConfig(epsilon=...)",
+                "with weight 1 − β₂ = 0 the second moment stays 0",
+            )
+        cls = (
+            AdamGraftingConfig
+            if isinstance(cfg, AdamPreconditionerConfig)
+            else RMSpropGraftingConfig
+        )
+        return cls(beta2=cfg.beta2, epsilon=cfg.epsilon)
+    if isinstance(cfg, AdaGradPreconditionerConfig):
+        return AdaGradGraftingConfig(epsilon=cfg.epsilon)
+    if isinstance(cfg, SGDPreconditionerConfig):
+        return SGDGraftingConfig()
+    raise _refuse(option, cfg, "AdamPreconditionerConfig(...) or SGDPreconditionerConfig()")
+
+
+def _stability(option: str, cfg: Any) -> NativeEigen:
+    """An eigh-based config's settings as so.Shampoo's EigenConfig."""
+    if cfg.tolerance != 0.0:
+        raise _refuse(
+            f"{option}.tolerance",
+            cfg.tolerance,
+            "tolerance=0.0",
+            "every refresh recomputes the eigendecomposition",
+        )
+    retry = bool(getattr(cfg, "retry_double_precision", True))
+    rds = cfg.rank_deficient_stability_config
+    if isinstance(rds, PseudoInverseConfig):
+        if rds.rank_atol != 0.0:
+            raise _refuse(
+                f"{option}.rank_deficient_stability_config.rank_atol",
+                rds.rank_atol,
+                "rank_atol=0.0 with a relative rank_rtol",
+            )
+        return NativeEigen(
+            retry_double_precision=retry, pseudo_inverse=True, rank_rtol=rds.rank_rtol
+        )
+    return NativeEigen(retry_double_precision=retry)
+
+
+def _same_dtypes(option: str, cfg: Any, fields: tuple[str, ...]) -> None:
+    for f in fields:
+        if getattr(cfg, f) != cfg.factor_matrix_dtype:
+            raise _refuse(
+                f"{option}.{f}",
+                getattr(cfg, f),
+                f"{f}={cfg.factor_matrix_dtype} (the factor_matrix_dtype)",
+                "secondorder keeps a factor and its root or eigenbasis in one dtype",
+            )
+
+
+def _preconditioner(cfg: Any) -> dict[str, Any]:
+    """preconditioner_config as so.Shampoo's options (a diagonal method: grafting alone)."""
+    option = "preconditioner_config"
+    if isinstance(
+        cfg, (RootInvKLShampooPreconditionerConfig, EigendecomposedKLShampooPreconditionerConfig)
+    ):
+        nearest = type(cfg).__mro__[1].__name__ + "(...)"
+        raise _refuse(option, cfg, nearest, "KL-Shampoo is not implemented")
+    if isinstance(cfg, SpectralDescentPreconditionerConfig):
+        raise _refuse(
+            option,
+            cfg,
+            "RootInvShampooPreconditionerConfig(...)",
+            "spectral descent (Muon) is not implemented",
+        )
+    if isinstance(cfg, SignDescentPreconditionerConfig):
+        raise _refuse(
+            option, cfg, "AdamPreconditionerConfig(...)", "sign descent is not implemented"
+        )
+    if isinstance(cfg, (SGDPreconditionerConfig, AdaGradPreconditionerConfig)):
+        return {"grafting_config": _grafting(option, cfg), "diagonal": True}
+    if not isinstance(
+        cfg,
+        (
+            RootInvShampooPreconditionerConfig,
+            EigendecomposedShampooPreconditionerConfig,
+            EigenvalueCorrectedShampooPreconditionerConfig,
+        ),
+    ):
+        raise _refuse(option, cfg, "RootInvShampooPreconditionerConfig(...)")
+    for f, ok in (("drop_weighting_factor_on_gsquare", False), ("use_trace_scaling", False)):
+        if getattr(cfg, f) != ok:
+            raise _refuse(f"{option}.{f}", getattr(cfg, f), f"{f}={ok}")
+    if cfg.inverse_exponent_override:
+        raise _refuse(
+            f"{option}.inverse_exponent_override",
+            cfg.inverse_exponent_override,
+            "{} (the root 1/(2·order) on every dimension)",
+        )
+    amortized = cfg.amortized_computation_config
+    out: dict[str, Any] = {
+        "factor_dtype": cfg.factor_matrix_dtype,
+        "num_tolerated_failed_amortized_computations": (
+            cfg.num_tolerated_failed_amortized_computations
+        ),
+    }
+    where = f"{option}.amortized_computation_config"
+    if isinstance(cfg, RootInvShampooPreconditionerConfig):
+        _same_dtypes(option, cfg, ("inv_factor_matrix_dtype",))
+        if isinstance(amortized, CoupledHigherOrderConfig):
+            raise _refuse(where, amortized, "CoupledNewtonConfig(...) or EigenConfig()")
+        if isinstance(amortized, CoupledNewtonConfig):
+            root: Any = NativeCoupledNewton(
+                max_iterations=amortized.max_iterations, tolerance=amortized.tolerance
+            )
+        elif isinstance(amortized, EigenConfig):
+            root = _stability(where, amortized)
+        else:
+            raise _refuse(where, amortized, "EigenConfig()")
+        return {**out, "preconditioner": "root_inverse", "root_inv_config": root}
+    if isinstance(amortized, QREigendecompositionConfig):
+        nearest = (
+            "DefaultEigenvalueCorrectedShampooConfig (eigh)"
+            if isinstance(cfg, EigenvalueCorrectedShampooPreconditionerConfig)
+            else "EighEigendecompositionConfig()"
+        )
+        raise _refuse(where, amortized, nearest, "QR eigenbases are not implemented")
+    if not isinstance(amortized, EighEigendecompositionConfig):
+        raise _refuse(where, amortized, "EighEigendecompositionConfig()")
+    root = _stability(where, amortized)
+    if isinstance(cfg, EigendecomposedShampooPreconditionerConfig):
+        # the same root as RootInv's eigh: only what is cached differs
+        _same_dtypes(
+            option, cfg, ("factor_matrix_eigenvectors_dtype", "factor_matrix_eigenvalues_dtype")
+        )
+        return {**out, "preconditioner": "root_inverse", "root_inv_config": root}
+    if cfg.ignored_basis_change_dims:
+        raise _refuse(f"{option}.ignored_basis_change_dims", cfg.ignored_basis_change_dims, "{}")
+    _same_dtypes(option, cfg, ("factor_matrix_eigenvectors_dtype", "corrected_eigenvalues_dtype"))
+    return {**out, "preconditioner": "eigenvalue_corrected", "root_inv_config": root}
+
+
+def _momentum(cfg: Any) -> dict[str, Any]:
+    if cfg is None:
+        return {"momentum": 0.0, "dampening": 0.0, "use_nesterov": False}
+    if isinstance(cfg, ClassicMomentumConfig):
+        return {
+            "momentum": cfg.momentum,
+            "dampening": cfg.dampening,
+            "use_nesterov": cfg.use_nesterov,
+        }
+    if isinstance(cfg, (GeneralizedPrimalAveragingConfig, ScheduleFreeConfig)):
+        raise _refuse(
+            "iterate_averaging_config",
+            cfg,
+            "ClassicMomentumConfig(momentum=...)",
+            "iterate averaging is not implemented",
+        )
+    raise _refuse("iterate_averaging_config", cfg, "None or ClassicMomentumConfig(...)")
+
+
+def check_distributed(cfg: Any) -> None:
+    """Refuse a distributed_config secondorder cannot run."""
+    if isinstance(cfg, (FSDPDistributedConfig, FullyShardDistributedConfig)):
+        raise _refuse(
+            "distributed_config",
+            cfg,
+            "DDPDistributedConfig() with the model in DistributedDataParallel",
+            "the FSDP and HSDP distributors are not implemented yet",
+        )
+    if not isinstance(cfg, (SingleDeviceDistributedConfig, DDPDistributedConfig)):
+        raise _refuse(
+            "distributed_config", cfg, "SingleDeviceDistributedConfig() or DDPDistributedConfig()"
+        )
+    if cfg.target_parameter_dimensionality != 1:
+        raise _refuse(
+            "distributed_config.target_parameter_dimensionality",
+            cfg.target_parameter_dimensionality,
+            "1 (merge dimensions as far as max_preconditioner_dim allows)",
+        )
+
+
+def translate(options: dict[str, Any]) -> dict[str, Any]:
+    """DistributedShampoo's group options (all of :data:`GROUP_OPTIONS`) as so.Shampoo's."""
+    o = options
+    betas = o["betas"]
+    beta1 = betas[0] if isinstance(betas, (tuple, list)) and betas else None
+    if o["beta3"] != -1.0 and o["beta3"] != beta1:
+        raise _refuse(
+            "beta3",
+            o["beta3"],
+            "beta3=-1.0 (equal to betas[0])",
+            "a separate filter of the current gradient is not implemented",
+        )
+    wdt = o["weight_decay_type"]
+    if wdt not in (WeightDecayType.L2, WeightDecayType.DECOUPLED):
+        raise _refuse("weight_decay_type", wdt, "WeightDecayType.DECOUPLED")
+    if not isinstance(o["use_pin_memory"], bool):
+        raise TypeError(f"Invalid use_pin_memory={o['use_pin_memory']!r}: must be True or False.")
+    check_distributed(o["distributed_config"])
+    pre = _preconditioner(o["preconditioner_config"])
+    diagonal = pre.pop("diagonal", False)
+    grafting = _grafting("grafting_config", o["grafting_config"])
+    start = o["start_preconditioning_step"]
+    max_dim = o["max_preconditioner_dim"]
+    if diagonal:
+        if o["grafting_config"] is not None:
+            raise _refuse(
+                "grafting_config",
+                o["grafting_config"],
+                "grafting_config=None",
+                "preconditioner_config is already a diagonal method",
+            )
+        grafting = pre.pop("grafting_config")
+        start, max_dim = NEVER, DIAGONAL_BLOCK
+    elif start == -1:
+        start = None
+    elif start == math.inf:
+        start = NEVER
+    return {
+        "lr": o["lr"],
+        "betas": betas,
+        "epsilon": o["epsilon"],
+        **_momentum(o["iterate_averaging_config"]),
+        "weight_decay": o["weight_decay"],
+        "use_decoupled_weight_decay": wdt is WeightDecayType.DECOUPLED,
+        "max_preconditioner_dim": max_dim,
+        "precondition_frequency": o["precondition_frequency"],
+        "start_preconditioning_step": start,
+        "use_bias_correction": o["use_bias_correction"],
+        "grafting_config": grafting,
+        **pre,
+    }
+
+
+class DistributedShampoo(Shampoo):
+    """DistributedShampoo (facebookresearch/optimizers) run by :class:`secondorder.Shampoo`.
+
+    Takes DistributedShampoo's constructor and config dataclasses unchanged; see the
+    module docstring for the mapping and for what is refused.  Parameter groups may
+    override any of :data:`GROUP_OPTIONS` by DistributedShampoo's names.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 1.0),
+        beta3: float = -1.0,
+        epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        weight_decay_type: WeightDecayType = WeightDecayType.DECOUPLED,
+        max_preconditioner_dim: int | float = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int | float = -1,
+        use_bias_correction: bool = True,
+        iterate_averaging_config: IterateAveragingConfig | None = None,
+        grafting_config: PreconditionerConfig | None = None,
+        use_pin_memory: bool = False,
+        shampoo_pt2_compile_config: ShampooPT2CompileConfig | None = None,
+        distributed_config: DistributedConfig = DefaultSingleDeviceDistributedConfig,
+        preconditioner_config: PreconditionerConfig = DefaultShampooConfig,
+        shampoo_runtime_config: ShampooRuntimeConfig = DefaultShampooRuntimeConfig,
+        concurrency_config: ConcurrencyConfig = DefaultConcurrencyConfig,
+        **unknown: Any,
+    ) -> None:
+        check_keywords("DistributedShampoo", unknown, _KEYWORDS, KNOWN, "DistributedShampoo")
+        if shampoo_pt2_compile_config is not None:
+            raise _refuse(
+                "shampoo_pt2_compile_config",
+                shampoo_pt2_compile_config,
+                "None",
+                "the step runs eagerly",
+            )
+        if not isinstance(shampoo_runtime_config, ShampooRuntimeConfig):
+            raise TypeError(f"Invalid shampoo_runtime_config={shampoo_runtime_config!r}.")
+        if not isinstance(concurrency_config, ConcurrencyConfig):
+            raise TypeError(f"Invalid concurrency_config={concurrency_config!r}.")
+        self._reference_defaults = {
+            "lr": lr, "betas": betas, "beta3": beta3, "epsilon": epsilon,
+            "weight_decay": weight_decay, "weight_decay_type": weight_decay_type,
+            "max_preconditioner_dim": max_preconditioner_dim,
+            "precondition_frequency": precondition_frequency,
+            "start_preconditioning_step": start_preconditioning_step,
+            "use_bias_correction": use_bias_correction,
+            "iterate_averaging_config": iterate_averaging_config,
+            "grafting_config": grafting_config, "use_pin_memory": use_pin_memory,
+            "distributed_config": distributed_config,
+            "preconditioner_config": preconditioner_config,
+        }  # fmt: skip
+        native = translate(self._reference_defaults)
+        ddp = distributed_config if isinstance(distributed_config, DDPDistributedConfig) else None
+        super().__init__(
+            params,
+            **native,
+            reducer=None if ddp else LocalReducer(),
+            communication_dtype=ddp.communication_dtype if ddp else None,
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group given by DistributedShampoo's option names (checked before it is added)."""
+        overrides = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        check_keywords(
+            "DistributedShampoo parameter group",
+            overrides,
+            GROUP_OPTIONS,
+            KNOWN,
+            "DistributedShampoo",
+        )
+        if "distributed_config" in overrides and (
+            overrides["distributed_config"] != self._reference_defaults["distributed_config"]
+        ):
+            raise ValueError(
+                "DistributedShampoo: a parameter group's distributed_config must equal the "
+                "constructor's (secondorder distributes every group the same way)"
+            )
+        native = translate({**self._reference_defaults, **overrides})
+        group = {k: v for k, v in param_group.items() if k in ("params", "param_names")}
+        super().add_param_group({**group, **native})
+
+
+_KEYWORDS = [
+    name
+    for name in inspect.signature(DistributedShampoo.__init__).parameters
+    if name not in ("self", "params", "unknown")
+]

@@ -1,0 +1,271 @@
+"""DistributedShampoo's README examples with one changed import, against its own runs.
+
+The reference runs are stored in data/shampoo_reference.pt (see data/README.md for the
+command that made them); DistributedShampoo itself is not needed here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import secondorder.compat.distributed_shampoo as ds
+from benchmarks import peers_cases as cases
+from secondorder.compat.distributed_shampoo import shampoo_types
+from secondorder.compat.distributed_shampoo.preconditioner import matrix_functions_types as mft
+
+pytest.importorskip("sklearn")
+
+REF = torch.load(Path(__file__).parent / "data" / "shampoo_reference.pt", weights_only=True)
+#: README example 5 refreshes SOAP's eigenbasis every 2 steps with bias correction; the
+#: runs then differ (2.8e-3 after 8 steps), see docs/guide.md.  With the basis refreshed
+#: every step and no bias correction (soap_every_step) they coincide.
+KNOWN_DIFFERENT = {"example5_soap"}
+#: epsilon=1e-12 on rank-deficient factors magnifies rounding (see peers_cases.EPS).
+LOOSE = {"example4_adamw_readme_epsilon": 1e-7}
+
+
+def run(name: str):
+    case = cases.SHAMPOO_CASES[name]
+    return cases.run_shampoo(ds, case, REF["init"][case.model])
+
+
+def assert_matches(name: str, atol: float) -> None:
+    final, losses = run(name)
+    ref = REF["cases"][name]
+    for key, value in final.items():
+        torch.testing.assert_close(value, ref["final"][key], rtol=0, atol=atol)
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64), ref["losses"], rtol=0, atol=atol
+    )
+
+
+@pytest.mark.parametrize("name", [n for n in cases.SHAMPOO_CASES if n not in KNOWN_DIFFERENT])
+def test_readme_example_matches_distributed_shampoo(name):
+    assert_matches(name, LOOSE.get(name, 1e-10))
+
+
+@pytest.mark.xfail(strict=True, reason="SOAP with precondition_frequency > 1 differs (guide)")
+def test_soap_every_other_step_matches_distributed_shampoo():
+    assert_matches("example5_soap", 1e-6)
+
+
+def test_param_groups_by_distributed_shampoos_names():
+    # a Muon-README-shaped split: Shampoo for weights, a never-preconditioned Adam group
+    model = cases.mlp(8)
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    biases = [p for p in model.parameters() if p.ndim == 1]
+    opt = ds.DistributedShampoo(
+        [
+            {"params": weights, "lr": 2**-10},
+            {
+                "params": biases,
+                "lr": 2**-8,
+                "start_preconditioning_step": math.inf,
+                "grafting_config": ds.AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
+            },
+        ],
+        betas=(0.9, 0.95),
+        epsilon=1e-6,
+        grafting_config=ds.AdamPreconditionerConfig(beta2=0.95, epsilon=1e-10),
+        precondition_frequency=2,
+    )
+    twin = [b.detach().clone().requires_grad_() for b in biases]
+    adam = torch.optim.Adam(twin, lr=2**-8, betas=(0.9, 0.95), eps=1e-10)
+    for x, y in cases.digits(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for t, b in zip(twin, biases, strict=True):
+            t.grad = b.grad.clone()
+        opt.step()
+        adam.step()
+    for t, b in zip(twin, biases, strict=True):
+        torch.testing.assert_close(b.detach(), t.detach(), rtol=0, atol=1e-14)
+
+
+def build(**kwargs):
+    return ds.DistributedShampoo(cases.mlp(8).parameters(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"preconditioner_config": ds.RootInvKLShampooPreconditionerConfig()},
+            r"preconditioner_config=RootInvKLShampooPreconditionerConfig\(\.\.\.\) .*KL-Shampoo"
+            r".*nearest supported choice is RootInvShampooPreconditionerConfig",
+        ),
+        (
+            {"preconditioner_config": ds.EigendecomposedKLShampooPreconditionerConfig()},
+            r"nearest supported choice is EigendecomposedShampooPreconditionerConfig",
+        ),
+        (
+            {"preconditioner_config": ds.DefaultSpectralDescentPreconditionerConfig},
+            r"spectral descent \(Muon\) is not implemented",
+        ),
+        (
+            {"preconditioner_config": ds.DefaultSignDescentPreconditionerConfig},
+            r"sign descent is not implemented.*AdamPreconditionerConfig",
+        ),
+        (
+            {"preconditioner_config": ds.DefaultSOAPConfig},
+            r"amortized_computation_config=QREigendecompositionConfig\(\.\.\.\)"
+            r".*DefaultEigenvalueCorrectedShampooConfig \(eigh\)",
+        ),
+        (
+            {"iterate_averaging_config": ds.GeneralizedPrimalAveragingConfig()},
+            r"iterate_averaging_config=GeneralizedPrimalAveragingConfig.*ClassicMomentumConfig",
+        ),
+        (
+            {"iterate_averaging_config": ds.ScheduleFreeConfig()},
+            r"ScheduleFreeConfig.*not implemented",
+        ),
+        (
+            {"distributed_config": ds.FullyShardDistributedConfig()},
+            r"FullyShardDistributedConfig\(\.\.\.\).*FSDP and HSDP distributors are not "
+            r"implemented yet.*DDPDistributedConfig",
+        ),
+        (
+            {"distributed_config": ds.FSDPDistributedConfig(param_to_metadata={})},
+            r"FSDPDistributedConfig",
+        ),
+        (
+            {
+                "distributed_config": ds.SingleDeviceDistributedConfig(
+                    target_parameter_dimensionality=2
+                )
+            },
+            r"target_parameter_dimensionality=2",
+        ),
+        ({"beta3": 0.81}, r"beta3=0\.81 .*nearest supported choice is beta3=-1\.0"),
+        (
+            {"weight_decay_type": ds.WeightDecayType.CORRECTED},
+            r"WeightDecayType\.CORRECTED.*DECOUPLED",
+        ),
+        (
+            {"shampoo_pt2_compile_config": ds.ShampooPT2CompileConfig()},
+            r"shampoo_pt2_compile_config",
+        ),
+        (
+            {
+                "preconditioner_config": ds.RootInvShampooPreconditionerConfig(
+                    use_trace_scaling=True
+                )
+            },
+            r"use_trace_scaling=True.*use_trace_scaling=False",
+        ),
+        (
+            {
+                "preconditioner_config": ds.RootInvShampooPreconditionerConfig(
+                    inverse_exponent_override={2: 0.25}
+                )
+            },
+            r"inverse_exponent_override",
+        ),
+        (
+            {
+                "preconditioner_config": ds.RootInvShampooPreconditionerConfig(
+                    factor_matrix_dtype=torch.float64
+                )
+            },
+            r"inv_factor_matrix_dtype=torch\.float32.*one dtype",
+        ),
+        (
+            {
+                "preconditioner_config": ds.RootInvShampooPreconditionerConfig(
+                    amortized_computation_config=ds.CoupledHigherOrderConfig()
+                )
+            },
+            r"CoupledHigherOrderConfig.*CoupledNewtonConfig",
+        ),
+        (
+            {
+                "grafting_config": ds.RMSpropPreconditionerConfig(
+                    drop_weighting_factor_on_gsquare=True
+                )
+            },
+            r"drop_weighting_factor_on_gsquare=True",
+        ),
+        (
+            {"momentum": 0.9},
+            r"does not support DistributedShampoo's option 'momentum': "
+            r"pass iterate_averaging_config=ClassicMomentumConfig",
+        ),
+        (
+            {"precondition_frequncy": 10},
+            r"'precondition_frequncy' \(a typo\?\); did you mean 'precondition_frequency'",
+        ),
+    ],
+)
+def test_unsupported_options_are_refused_with_the_nearest_choice(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build(**kwargs)
+
+
+def test_a_refused_group_is_not_added():
+    opt = build(epsilon=1e-6)
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(
+        TypeError,
+        match=r"parameter group got an unexpected keyword argument 'lrr'.*did you mean 'lr'",
+    ):
+        opt.add_param_group({"params": [extra], "lrr": 0.1})
+    with pytest.raises(ValueError, match=r"a parameter group's distributed_config must equal"):
+        opt.add_param_group({"params": [extra], "distributed_config": ds.DDPDistributedConfig()})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (
+            lambda: ds.AdamPreconditionerConfig(beta2=1.5),
+            ValueError,
+            r"Invalid AdamPreconditionerConfig\.beta2=1\.5",
+        ),
+        (
+            lambda: ds.AdaGradPreconditionerConfig(epsilon=0.0),
+            ValueError,
+            r"Invalid AdaGradPreconditionerConfig\.epsilon=0\.0",
+        ),
+        (
+            lambda: ds.ClassicMomentumConfig(momentum=0.0),
+            ValueError,
+            r"Invalid ClassicMomentumConfig\.momentum=0\.0",
+        ),
+        (
+            lambda: ds.EigenConfig(tolerance=0.5),
+            ValueError,
+            r"Invalid EigenConfig\.tolerance=0\.5: must be 0\.0",
+        ),
+        (
+            lambda: ds.DDPDistributedConfig(num_trainers_per_group=0),
+            ValueError,
+            r"num_trainers_per_group=0",
+        ),
+        (
+            lambda: ds.PreconditionerConfig(),
+            TypeError,
+            r"PreconditionerConfig is abstract; build one of its subclasses: "
+            r".*AdamPreconditionerConfig",
+        ),
+        (lambda: mft.RootInvConfig(), TypeError, r"RootInvConfig is abstract"),
+        (lambda: shampoo_types.DistributedConfig(), TypeError, r"DistributedConfig is abstract"),
+    ],
+)
+def test_configs_check_their_fields(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_import_paths_mirror_the_reference():
+    from secondorder.compat.distributed_shampoo.distributed_shampoo import DistributedShampoo
+    from secondorder.compat.distributed_shampoo.shampoo_types import ClassicMomentumConfig
+
+    assert DistributedShampoo is ds.DistributedShampoo
+    assert ClassicMomentumConfig is ds.ClassicMomentumConfig
+    assert mft.DefaultEigenConfig is ds.DefaultEigenConfig

@@ -1,0 +1,214 @@
+"""kfac-pytorch's example loop with one changed import, against kfac-pytorch's own runs.
+
+The reference runs are stored in data/kaisa_reference.pt (see data/README.md for the
+command that made them); kfac-pytorch itself is not needed here.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import secondorder.compat.kfac as kfac
+from benchmarks import peers_cases as cases
+from secondorder.compat.kfac.enums import ComputeMethod, DistributedStrategy, parse
+from secondorder.compat.kfac.preconditioner import KAISAConventionWarning, KFACPreconditioner
+
+pytest.importorskip("sklearn")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::secondorder.compat.kfac.preconditioner.KAISAConventionWarning"
+)
+
+REF = torch.load(Path(__file__).parent / "data" / "kaisa_reference.pt", weights_only=True)
+EXACT = [n for n in cases.KAISA_CASES if n not in ("example_eigen_float32", "conv_factors")]
+
+
+def run(name: str):
+    case = cases.KAISA_CASES[name]
+    return cases.run_kaisa(kfac, case, REF["init"][case.model])
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_example_matches_kfac_pytorch(name):
+    final, losses, _ = run(name)
+    ref = REF["cases"][name]
+    for key, value in final.items():
+        torch.testing.assert_close(value, ref["final"][key], rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64), ref["losses"], rtol=0, atol=1e-10
+    )
+
+
+def test_kfac_pytorch_as_shipped_differs_by_its_float32_eigh_only():
+    # kfac-pytorch eigendecomposes in float32 whatever inv_dtype is; ours in inv_dtype
+    final, _, _ = run("example_eigen_float32")
+    ref = REF["cases"]["example_eigen_float32"]["final"]
+    errors = [float((final[k] - ref[k]).abs().max()) for k in final]
+    assert 1e-10 < max(errors) < 1e-5
+
+
+def test_conv_factors_follow_the_documented_scale():
+    # KAISA divides conv patch rows by the P output positions: its A is ours / P², its
+    # G ours / P³ (Linear factors equal); no identity start with exp_decay_factor_averaging
+    _, _, pre = run("conv_factors")
+    ours = pre.state_dict()["layers"]
+    ref = REF["cases"]["conv_factors"]["factors"]
+    P = 16
+    torch.testing.assert_close(ours["conv"]["A"] / P**2, ref["conv"]["A"], rtol=1e-12, atol=0)
+    torch.testing.assert_close(ours["conv"]["G"] / P**3, ref["conv"]["G"], rtol=1e-12, atol=0)
+    torch.testing.assert_close(ours["fc"]["A"], ref["fc"]["A"], rtol=1e-12, atol=0)
+    torch.testing.assert_close(ours["fc"]["G"], ref["fc"]["G"], rtol=1e-12, atol=0)
+
+
+def test_construction_names_the_scaling_convention():
+    with pytest.warns(KAISAConventionWarning, match=r"divided by B² .* so\.KFAC"):
+        KFACPreconditioner(cases.mlp())
+
+
+@pytest.mark.parametrize(
+    ("value", "member"),
+    [
+        ("EIGEN", ComputeMethod.EIGEN),
+        ("eigen", ComputeMethod.EIGEN),
+        ("Inverse", ComputeMethod.INVERSE),
+        (ComputeMethod.INVERSE, ComputeMethod.INVERSE),
+    ],
+)
+def test_compute_method_spellings(value, member):
+    assert parse("compute_method", ComputeMethod, value) is member
+    assert KFACPreconditioner(cases.mlp(), compute_method=value).compute_method is member
+
+
+@pytest.mark.parametrize(
+    "value", ["COMM_OPT", "comm_opt", "comm-opt", DistributedStrategy.COMM_OPT, 1.0]
+)
+def test_comm_opt_spellings(value):
+    pre = KFACPreconditioner(cases.mlp(), grad_worker_fraction=value)
+    assert pre.distributed_strategy is DistributedStrategy.COMM_OPT
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"compute_method": "cholesky"},
+            ValueError,
+            r"Invalid compute_method='cholesky': must be one of ComputeMethod\.EIGEN",
+        ),
+        ({"factor_decay": 1.0}, ValueError, r"Invalid factor_decay=1\.0: .* never updates"),
+        ({"damping": 0.0}, ValueError, r"Invalid damping=0\.0: must be > 0"),
+        ({"grad_worker_fraction": 1.5}, ValueError, r"Invalid grad_worker_fraction=1\.5"),
+        (
+            {"colocate_factors": False},
+            ValueError,
+            r"colocate_factors=False with compute_eigenvalue_outer_product",
+        ),
+        ({"allreduce_bucket_cap_mb": -1}, ValueError, r"Invalid allreduce_bucket_cap_mb=-1"),
+        ({"skip_layers": "fc"}, TypeError, r"Invalid skip_layers='fc'"),
+        (
+            {"dampnig": 0.1},
+            TypeError,
+            r"unexpected keyword argument 'dampnig' \(a typo\?\); did you mean 'damping'",
+        ),
+        ({"tdc": None}, TypeError, r"does not support kfac-pytorch \(KAISA\)'s option 'tdc'"),
+        (
+            {"factor_checkpoint_dir": "x"},
+            TypeError,
+            r"option 'factor_checkpoint_dir': save state_dict",
+        ),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match):
+    model = cases.mlp()
+    with pytest.raises(error, match=match):
+        KFACPreconditioner(model, **kwargs)
+    assert not model[0]._forward_hooks  # refused before any hook was attached
+
+
+def test_registers_what_kfac_pytorch_registers():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Conv1d(1, 1, 1), torch.nn.Linear(4, 2)
+    ).double()
+    pre = KFACPreconditioner(model, skip_layers=["^2$"])
+    assert list(pre.kfac.layers) == ["0"]  # Conv1d is not KAISA's; "2" skipped by regex
+    pre = KFACPreconditioner(model, skip_layers=["Conv"])
+    assert list(pre.kfac.layers) == ["0", "2"]
+
+
+def _train(pre, model, opt, batches):
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_state_dict_round_trip_continues_in_lockstep(method):
+    data = cases.digits(8)
+    model = cases.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = KFACPreconditioner(
+        model, inv_update_steps=3, compute_method=method, inv_dtype=torch.float64
+    )
+    _train(pre, model, opt, data[:4])
+    state = pre.state_dict()
+    assert set(state) == {
+        "steps",
+        "factor_update_steps",
+        "inv_update_steps",
+        "damping",
+        "factor_decay",
+        "kl_clip",
+        "lr",
+        "layers",
+    }
+    assert state["layers"]["0"]["A"].shape == (65, 65)
+    model2 = copy.deepcopy(model)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    pre2 = KFACPreconditioner(
+        model2, inv_update_steps=3, compute_method=method, inv_dtype=torch.float64
+    )
+    pre2.load_state_dict(state)
+    assert pre2.steps == 4
+    _train(pre, model, opt, data[4:])
+    _train(pre2, model2, opt2, data[4:])
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-13)
+
+
+def test_load_state_dict_refuses_a_wrong_layer_before_changing_anything():
+    model = cases.mlp()
+    pre = KFACPreconditioner(model)
+    _train(pre, model, torch.optim.SGD(model.parameters(), lr=0.1), cases.digits(1))
+    state = pre.state_dict()
+    state["layers"]["0"]["A"] = torch.zeros(3, 3, dtype=torch.float64)
+    before = pre.state_dict()
+    with pytest.raises(
+        ValueError, match=r"layer '0': factor A must be a tensor of shape \(65, 65\)"
+    ):
+        pre.load_state_dict(state)
+    torch.testing.assert_close(pre.state_dict()["layers"]["0"]["A"], before["layers"]["0"]["A"])
+
+
+def test_lambda_param_scheduler_scales_damping():
+    pre = KFACPreconditioner(cases.mlp(), damping=0.003)
+    sched = kfac.scheduler.LambdaParamScheduler(pre, damping_lambda=lambda step: 0.5)
+    sched.step()
+    assert pre.damping == pytest.approx(0.0015)
+    callable_damping = KFACPreconditioner(cases.mlp(), damping=lambda step: 0.003)
+    with pytest.raises(
+        ValueError, match=r"Invalid damping_lambda: preconditioner\.damping is already a callable"
+    ):
+        kfac.scheduler.LambdaParamScheduler(callable_damping, damping_lambda=lambda step: 0.5)
+
+
+def test_exp_decay_factor_averaging():
+    f = kfac.hyperparams.exp_decay_factor_averaging(0.9)
+    assert [f(k) for k in (0, 1, 2, 4, 100)] == [0.0, 0.0, 0.5, 0.75, 0.9]
+    with pytest.raises(ValueError, match=r"Invalid min_value=0"):
+        kfac.hyperparams.exp_decay_factor_averaging(0)

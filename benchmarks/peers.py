@@ -76,7 +76,8 @@ PEERS = (
 
 
 def run(cmd: list[str], **kw: object) -> str:
-    print("+", " ".join(cmd), flush=True)
+    shown = ["<script>" if "\n" in c else c for c in cmd]
+    print("+", " ".join(shown), flush=True)
     done = subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)  # type: ignore[call-overload]
     return str(done.stdout)
 

@@ -15,9 +15,11 @@ import torch
 from torch import Tensor
 
 from .blocking import BlockSpec, block_slices, merge_dims
+from .config import state_dtype
 from .distributor import assign_blocks, block_cost
 from .grafting import grafting_has_state
 from .groups import block_name
+from .state import check_entry
 
 __all__ = [
     "Batch",
@@ -45,8 +47,13 @@ class Block:
     name: str
 
     def view(self, t: Tensor) -> Tensor:
-        """The block's part of ``t`` (a tensor of the parameter's shape), as a view."""
-        return t.view(self.merged)[self.spec.slices()]
+        """The block's part of ``t`` (a tensor of the parameter's shape).
+
+        A view where ``t``'s strides allow it (a contiguous ``t``); a copy otherwise (a
+        transposed or ``channels_last`` gradient), so only read through it unless ``t``
+        is contiguous.
+        """
+        return t.reshape(self.merged)[self.spec.slices()]
 
 
 @dataclass
@@ -115,15 +122,18 @@ def new_batch_state(
     )
     for name, wanted in elementwise:
         if wanted:
-            state[name] = torch.zeros(B, *batch.shape, dtype=p0.dtype, device=p0.device)
+            dtype = state_dtype(p0.dtype)
+            state[name] = torch.zeros(B, *batch.shape, dtype=dtype, device=p0.device)
     return state
 
 
-def bind_batch_state(batch: Batch, opt_state: Any) -> None:
+def bind_batch_state(batch: Batch, opt_state: Any, required: bool = False) -> None:
     """Copy saved per-parameter entries into ``batch.state``, then point them at it.
 
-    ``opt_state`` is the optimizer's per-parameter state; a saved entry whose shape
-    does not fit the block is refused with the entry and parameter named.
+    ``opt_state`` is the optimizer's per-parameter state.  A saved entry is checked
+    (:func:`.state.check_entry`: shape, dtype, finite, non-negative where the math
+    requires) before it is copied; with ``required`` (a loaded checkpoint), every
+    block's every entry must be there.
     """
     for i, b in enumerate(batch.blocks):
         pstate = opt_state[b.param]
@@ -131,13 +141,14 @@ def bind_batch_state(batch: Batch, opt_state: Any) -> None:
             entry = f"block{b.spec.index}.{state_key}"
             if entry in pstate:
                 saved = pstate[entry]
-                if saved.shape != buf[i].shape:
-                    raise ValueError(
-                        f"the saved state {entry!r} of {b.name} has shape "
-                        f"{tuple(saved.shape)}, expected {tuple(buf[i].shape)}: it was "
-                        "saved with other max_preconditioner_dim or parameters"
-                    )
+                check_entry(entry, b.name, saved, buf[i])
                 buf[i].copy_(saved)
+            elif required:
+                raise ValueError(
+                    f"the saved state lacks {entry!r} of {b.name}, which this optimizer "
+                    "keeps: the state dict is incomplete or was saved with other settings "
+                    "(preconditioner, betas, momentum, grafting_config); nothing was loaded."
+                )
             pstate[entry] = buf[i]
 
 
@@ -153,9 +164,11 @@ def prepare_batch(group: dict[str, Any], batch: Batch) -> Prepared | None:
         index = torch.tensor(active, device=batch.blocks[0].param.device)
         S = {k: v.index_select(0, index) for k, v in batch.state.items()}
     blocks = [batch.blocks[i] for i in active]
-    G = torch.stack([b.view(cast(Tensor, b.param.grad)) for b in blocks])
+    # Half-precision parameters step in float32 (see config.state_dtype).
+    dtype = state_dtype(blocks[0].param.dtype)
+    G = torch.stack([b.view(cast(Tensor, b.param.grad)) for b in blocks]).to(dtype)
     wd = float(group["weight_decay"])
-    W = torch.stack([b.view(b.param) for b in blocks]) if wd != 0.0 else None
+    W = torch.stack([b.view(b.param) for b in blocks]).to(dtype) if wd != 0.0 else None
     if W is not None and not group["use_decoupled_weight_decay"]:
         G.add_(W, alpha=wd)
     return Prepared(blocks, index, S, G, W)

@@ -29,7 +29,9 @@ __all__ = [
     "SGDGraftingConfig",
     "config_from_dict",
     "config_to_dict",
+    "factor_dtype",
     "resolved_start",
+    "state_dtype",
 ]
 
 #: The preconditioner choices of :class:`~secondorder.shampoo.Shampoo`.
@@ -211,6 +213,26 @@ FACTOR_DTYPES = (None, torch.float32, torch.float64)
 COMMUNICATION_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+def state_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a block's step is computed and its state kept in: float32 for half.
+
+    A float16 or bfloat16 factor holds ``GGᵀ`` to 3 or 2 significant digits and its
+    inverse root amplifies that error, a half-precision filtered gradient leaves
+    rounding noise in the factors' null space for the root to amplify, and float16
+    squares underflow below ``|g| ≈ 2.4e-4``: training diverges.  So half-precision
+    parameters get float32 state, and only the final direction is rounded to the
+    parameter's dtype.
+    """
+    if param_dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return param_dtype
+
+
+def factor_dtype(configured: torch.dtype | None, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a block's factors and roots: ``factor_dtype``, else :func:`state_dtype`."""
+    return state_dtype(param_dtype) if configured is None else configured
+
+
 def resolved_start(group: dict[str, Any]) -> int:
     """The group's first preconditioned step: ``None`` or ``-1`` mean its frequency.
 
@@ -291,5 +313,6 @@ def validate_group(group: dict[str, Any]) -> None:
     if group["factor_dtype"] not in FACTOR_DTYPES:
         raise ValueError(
             f"Invalid factor_dtype={group['factor_dtype']!r}: must be None (the parameter's "
-            "dtype), torch.float32 or torch.float64."
+            "dtype, float32 for float16 and bfloat16 parameters), torch.float32 or "
+            "torch.float64."
         )

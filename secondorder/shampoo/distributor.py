@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..distributed import Reducer
 
-__all__ = ["assign_blocks", "block_cost", "gather_directions"]
+__all__ = ["assign_blocks", "block_cost", "exchange"]
 
 
 def block_cost(shape: Sequence[int]) -> float:
@@ -51,22 +51,43 @@ def assign_blocks(costs: Sequence[float], world_size: int) -> list[int]:
     return owner
 
 
-def gather_directions(
+def exchange(
     reducer: Reducer,
+    tally: Tensor,
     local: Sequence[Tensor],
-    counts: Sequence[int],
     dtype: torch.dtype,
-    device: torch.device,
-) -> list[Tensor]:
-    """All-gather the ranks' flattened block directions; one flat vector per rank.
+) -> list[tuple[Tensor, Tensor]]:
+    """All-gather every rank's ``tally`` and flattened block directions, in rank order.
 
-    ``local`` are this rank's block directions in global block order and ``counts`` the
-    number of elements each rank sends.  They travel (and come back) in ``dtype``: one
-    ``gather_rows`` call, whatever the number of blocks.
+    ``tally`` is a float64 vector of the same length on every rank (the step's failure
+    flag and the settings the ranks must agree on: it rides in the directions'
+    all-gather, so refusing together costs no extra collective); ``local`` are this
+    rank's block directions in global block order, possibly none (a rank that failed
+    sends its tally alone).  Both travel as raw bytes, the directions in ``dtype``,
+    so the tally arrives bit for bit whatever ``dtype`` is.  Returns each rank's
+    ``(tally, flat directions)``.
     """
+    device = tally.device
     if local:
-        flat = torch.cat([t.reshape(-1) for t in local]).to(dtype)
+        dirs = torch.cat([t.reshape(-1) for t in local]).to(dtype)
     else:
-        flat = torch.zeros(0, dtype=dtype, device=device)
-    gathered = reducer.gather_rows(flat.unsqueeze(1)).squeeze(1)
-    return list(gathered.split(list(counts)))
+        dirs = torch.zeros(0, dtype=dtype, device=device)
+    head = torch.cat(
+        [
+            torch.full((1,), float(dirs.numel()), dtype=torch.float64, device=device),
+            tally.to(torch.float64),
+        ]
+    )
+    payload = torch.cat([head.view(torch.uint8), dirs.contiguous().view(torch.uint8)])
+    gathered = reducer.gather_rows(payload.unsqueeze(1)).squeeze(1)
+    head_bytes = head.numel() * 8
+    out: list[tuple[Tensor, Tensor]] = []
+    pos = 0
+    for _ in range(reducer.world_size):
+        got = gathered[pos : pos + head_bytes].clone().view(torch.float64)
+        n_bytes = int(got[0].item()) * dtype.itemsize
+        pos += head_bytes
+        flat = gathered[pos : pos + n_bytes].clone().view(dtype)
+        pos += n_bytes
+        out.append((got[1:], flat))
+    return out

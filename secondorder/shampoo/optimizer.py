@@ -8,8 +8,8 @@ holds only the order of the stages and torch's optimizer contract.
 
 from __future__ import annotations
 
+import functools
 import math
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import Reducer, resolve_reducer
+from .agreement import agree_refusal, check_tallies, step_tally
 from .blocks import (
     Batch,
     Block,
@@ -33,11 +34,10 @@ from .config import (
     EigenConfig,
     GraftingConfig,
     RootInvConfig,
-    resolved_start,
+    factor_dtype,
     validate_group,
 )
-from .distributor import gather_directions
-from .grafting import grafting_direction, update_grafting
+from .distributor import exchange
 from .groups import (
     STRUCTURAL,
     block_name,
@@ -49,12 +49,14 @@ from .groups import (
 )
 from .preconditioner import Preconditioner
 from .state import (
+    check_saved_layout,
     check_saved_rank,
     configs_to_dicts,
     ensure_int64_steps,
     restored_state,
     validated_groups,
 )
+from .update import BatchUpdate, commit, compute_update, new_parameter_values
 
 __all__ = ["Shampoo"]
 
@@ -186,10 +188,13 @@ class Shampoo(torch.optim.Optimizer):
                 num_tolerated_failed_amortized_computations
             ),
         }
+        #: The hyperparameters every saved group must hold (torch adds its own to defaults).
+        self._hyperparameters = tuple(defaults)
         self._built = False
         self._batches: list[Batch] = []
         self._blocks: list[Block] = []
         self._structures: list[tuple[Any, ...]] = []
+        self._wire_dtype = torch.float32
         super().__init__(params, defaults)
         self.reducer = resolve_reducer(reducer, process_group)
         self.communication_dtype = communication_dtype
@@ -230,39 +235,66 @@ class Shampoo(torch.optim.Optimizer):
         return factored_layout(group, batch.shape, batch.blocks[0].spec.index, saved)
 
     # -- building the blocks and the stacked state ----------------------------------------
-    def _build(self) -> None:
+    def _device(self) -> torch.device:
+        return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+
+    def _build(self, error: Exception | None = None, required: bool = False) -> None:
         """Cut parameters into blocks, assign owners, stack the owned blocks' state.
 
         Per-parameter state (torch's schema) holds views into the stacked buffers, so
         ``state_dict`` sees every block while each stage runs as one batched call.
+        With several ranks, a rank that failed before (``error``) or fails here makes
+        every rank raise, and the ranks then check that their configurations agree.
+        ``required``: every block entry must be in the (loaded) state.
         """
-        blocks = cut_blocks(self.param_groups, self.reducer.world_size)
-        self.reducer.check_agree(
-            {
-                "blocks": [(b.group_index, b.param_index, b.spec.shape) for b in blocks],
-                "param_groups": [
-                    {k: repr(v) for k, v in g.items() if k not in ("params", "lr")}
-                    for g in self.param_groups
-                ],
-                "communication_dtype": repr(self.communication_dtype),
-            },
-            "Shampoo configuration",
-        )
-        batches = group_batches(blocks, self.reducer.rank)
-        for batch in batches:
-            group = self.param_groups[batch.group_index]
-            p0 = batch.blocks[0].param
-            fdtype = group["factor_dtype"] or p0.dtype
-            batch.factored = self._factored(group, batch)
-            pre = self._preconditioner(group, batch.shape, batch.factored)
-            state = pre.init_state(len(batch.blocks), fdtype, p0.device)
-            batch.state = new_batch_state(group, batch, state)
-            bind_batch_state(batch, self.state)
+        settings: dict[str, Any] = {}
+        if error is None:
+            try:
+                blocks = cut_blocks(self.param_groups, self.reducer.world_size)
+                settings = {
+                    "blocks": [(b.group_index, b.param_index, b.spec.shape) for b in blocks],
+                    "param_groups": [
+                        {k: repr(v) for k, v in g.items() if k not in ("params", "lr")}
+                        for g in self.param_groups
+                    ],
+                    "communication_dtype": repr(self.communication_dtype),
+                }
+                batches = self._stack_state(blocks, required)
+            except Exception as exc:
+                if self.reducer.world_size == 1:
+                    raise
+                error = exc
+        agree_refusal(self.reducer, error, "to build or load its Shampoo state", self._device())
+        self.reducer.check_agree(settings, "Shampoo configuration")
         ensure_int64_steps(self.param_groups, self.state)
+        dtypes = [p.dtype for g in self.param_groups for p in g["params"]]
+        # Directions travel in the widest parameter dtype unless told otherwise, so
+        # each block's arrives exactly (a float64 one is not squeezed through float32).
+        self._wire_dtype = self.communication_dtype or (
+            functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+        )
         self._blocks = blocks
         self._batches = batches
         self._structures = [structure(g) for g in self.param_groups]
         self._built = True
+
+    def _group_batches(self, blocks: list[Block]) -> list[Batch]:
+        """The blocks this rank owns, one batch per (group, block shape, dtype, device)."""
+        return group_batches(blocks, self.reducer.rank)
+
+    def _stack_state(self, blocks: list[Block], required: bool = False) -> list[Batch]:
+        """Stack the owned blocks' state, copying in (and checking) any saved entries."""
+        batches = self._group_batches(blocks)
+        for batch in batches:
+            group = self.param_groups[batch.group_index]
+            p0 = batch.blocks[0].param
+            fdtype = factor_dtype(group["factor_dtype"], p0.dtype)
+            batch.factored = self._factored(group, batch)
+            pre = self._preconditioner(group, batch.shape, batch.factored)
+            state = pre.init_state(len(batch.blocks), fdtype, p0.device)
+            batch.state = new_batch_state(group, batch, state)
+            bind_batch_state(batch, self.state, required)
+        return batches
 
     # -- the step ---------------------------------------------------------------------
     def _check_gradients(self) -> None:
@@ -270,16 +302,47 @@ class Shampoo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Take one Shampoo step; ``closure`` (optional) re-evaluates and returns the loss."""
+        """Take one Shampoo step; ``closure`` (optional) re-evaluates and returns the loss.
+
+        All or nothing: a step that raises (or is interrupted) on any rank leaves every
+        rank's parameters and state as they were (see :mod:`.update`, :mod:`.agreement`).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self._normalize(group)
-            validate_group(group)
+        world = self.reducer.world_size
+        error: Exception | None = None
+        try:
+            for group in self.param_groups:
+                self._normalize(group)
+                validate_group(group)
+        except Exception as exc:
+            if world == 1:
+                raise
+            error = exc
         if not self._built:
-            self._build()
+            self._build(error)
+        updates: list[BatchUpdate] = []
+        steps: dict[int, int] = {}
+        if error is None:
+            try:
+                steps, updates = self._compute()
+            except Exception as exc:
+                if world == 1:
+                    raise
+                error = exc
+        writes = [w for u in updates for w in u.writes]
+        writes += self._new_parameters(updates, error)
+        for gi, t in steps.items():
+            for p in self.param_groups[gi]["params"]:
+                step = self.state[p]["step"]
+                writes.append((step, torch.full_like(step, t)))
+        commit(writes)
+        return loss
+
+    def _compute(self) -> tuple[dict[int, int], list[BatchUpdate]]:
+        """Check the gradients and compute every owned batch's update; nothing changes."""
         for gi, group in enumerate(self.param_groups):
             if structure(group) != self._structures[gi]:
                 raise ValueError(
@@ -298,14 +361,12 @@ class Shampoo(torch.optim.Optimizer):
             if batch.group_index in steps and (prep := self._prepare(batch)) is not None
         ]
         self._check_overflow(prepared)
-        directions: dict[int, Tensor] = {}
+        updates = []
         for batch, prep in prepared:
-            self._step_batch(batch, prep, steps[batch.group_index], directions)
-        self._apply(directions)
-        for gi, t in steps.items():
-            for p in self.param_groups[gi]["params"]:
-                self.state[p]["step"].fill_(t)
-        return loss
+            group = self.param_groups[batch.group_index]
+            pre = self._preconditioner(group, batch.shape, batch.factored)
+            updates.append(compute_update(pre, group, batch, prep, steps[batch.group_index]))
+        return steps, updates
 
     def _prepare(self, batch: Batch) -> Prepared | None:
         """The stacked gradients (L2 decay added) and state of the blocks with a gradient."""
@@ -315,115 +376,39 @@ class Shampoo(torch.optim.Optimizer):
         """Refuse a finite gradient that would overflow the state (see :mod:`.checks`)."""
         check_overflow(self.param_groups, prepared)
 
-    def _step_batch(
-        self, batch: Batch, prep: Prepared, t: int, directions: dict[int, Tensor]
-    ) -> None:
-        group = self.param_groups[batch.group_index]
-        blocks, index, S, G, W = prep.blocks, prep.index, prep.state, prep.G, prep.W
-        wd = float(group["weight_decay"])
-        decoupled = group["use_decoupled_weight_decay"]
-        beta1 = float(group["betas"][0])
-        grafting = group["grafting_config"]
-        pre = self._preconditioner(group, batch.shape, batch.factored)
-        fdtype = S["factor0"].dtype
-        Gf = G.to(fdtype)
-        pre.update_factors(S, Gf)
-        update_grafting(grafting, S.get("grafting_state"), G)
-        start, freq = resolved_start(group), group["precondition_frequency"]
-        if (t % freq == 0 and t > start) or t == start:
-            self._amortize(pre, S, t, blocks, group)
-        pre.after_amortize(S, Gf, t)
-        if beta1 != 0.0:
-            S["filtered_grad"].lerp_(G, 1.0 - beta1)
-            M = S["filtered_grad"]
-            if group["use_bias_correction"]:
-                M = M / (1.0 - beta1**t)
-        else:
-            M = G
-        if t < start and grafting is not None:
-            P = grafting_direction(grafting, S.get("grafting_state"), M, t)
-        else:
-            P = pre.precondition(S, M.to(fdtype), t).to(G.dtype)
-            if grafting is not None:
-                dims = tuple(range(1, P.ndim))
-                graft = grafting_direction(grafting, S.get("grafting_state"), M, t)
-                scale = torch.linalg.vector_norm(graft, dim=dims) / (
-                    torch.linalg.vector_norm(P, dim=dims) + 1e-16
-                )
-                P = P * scale.view(-1, *([1] * len(dims)))
-        if P is M or P is G or P is S.get("filtered_grad"):
-            P = P.clone()
-        if W is not None and decoupled:
-            P.add_(W, alpha=wd)
-        if "momentum_buffer" in S:
-            mom, damp = float(group["momentum"]), float(group["dampening"])
-            buf = S["momentum_buffer"]
-            buf.mul_(mom).add_(P, alpha=1.0 - damp)
-            if group["use_nesterov"]:
-                P.mul_(1.0 - damp).add_(buf, alpha=mom)
-            else:
-                P = buf.clone()
-        if index is not None:
-            for k, v in S.items():
-                batch.state[k].index_copy_(0, index, v)
-        for i, b in enumerate(blocks):
-            directions[b.gid] = P[i]
+    def _new_parameters(
+        self, updates: list[BatchUpdate], error: Exception | None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``(parameter, W − lr·P)`` pairs, after the ranks exchanged and agreed.
 
-    def _amortize(
-        self,
-        pre: Preconditioner,
-        S: dict[str, Tensor],
-        t: int,
-        blocks: list[Block],
-        group: dict[str, Any],
-    ) -> None:
-        failed = pre.amortize(S, t)
-        counter = S["failed_amortized_computations"]
-        failed_blocks = sorted({i for i, _ in failed})
-        mask = torch.zeros_like(counter, dtype=torch.bool)
-        mask[failed_blocks] = True
-        counter.add_(mask.to(counter.dtype)).mul_(mask.to(counter.dtype))
-        tolerated = group["num_tolerated_failed_amortized_computations"]
-        for i in failed_blocks:
-            b = blocks[i]
-            factors = [k for j, k in failed if j == i]
-            count = int(counter[i])
-            if count > tolerated:
-                raise RuntimeError(
-                    f"the root computation of block {b.spec.index} (factors {factors}) of "
-                    f"{b.name} failed {count} times in a row, more than "
-                    f"num_tolerated_failed_amortized_computations={tolerated}. Check the "
-                    "gradients, raise epsilon, or use factor_dtype=torch.float64."
-                )
-            warnings.warn(
-                f"Shampoo: the root computation of block {b.spec.index} (factors {factors}) "
-                f"of {b.name} failed at step {t} even in float64; keeping its previous "
-                f"root ({count} failure(s) in a row, {tolerated} tolerated).",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-
-    def _apply(self, directions: dict[int, Tensor]) -> None:
-        """``W ← W − lr·P`` for every block with a gradient, after gathering if distributed."""
+        With several ranks, every rank sends its directions and its tally (failure
+        flag and settings, :mod:`.agreement`) in one all-gather, and raises alike
+        unless none failed and all agree.
+        """
+        directions = {gid: d for u in updates for gid, d in u.directions.items()}
         active = [b for b in self._blocks if b.param.grad is not None]
-        if self.reducer.world_size > 1 and active:
-            world = self.reducer.world_size
-            counts = [0] * world
-            for b in active:
-                counts[b.owner] += math.prod(b.spec.shape)
-            mine = [directions[b.gid] for b in active if b.owner == self.reducer.rank]
-            ref = active[0].param
-            dtype = self.communication_dtype or ref.dtype
-            flats = gather_directions(self.reducer, mine, counts, dtype, ref.device)
-            offsets = [0] * world
+        if self.reducer.world_size > 1:
+            counts = [
+                int(self.state[g["params"][0]]["step"]) if g["params"] else -1
+                for g in self.param_groups
+            ]
+            tally = step_tally(self.param_groups, counts, error is not None, self._device())
+            mine = (
+                []
+                if error is not None
+                else [directions[b.gid] for b in active if b.owner == self.reducer.rank]
+            )
+            parts = exchange(self.reducer, tally, mine, self._wire_dtype)
+            check_tallies([t for t, _ in parts], self.param_groups, error, self.reducer)
+            offsets = [0] * self.reducer.world_size
             for b in active:
                 n = math.prod(b.spec.shape)
-                chunk = flats[b.owner][offsets[b.owner] : offsets[b.owner] + n]
+                flat = parts[b.owner][1]
+                chunk = flat[offsets[b.owner] : offsets[b.owner] + n]
                 offsets[b.owner] += n
                 directions[b.gid] = chunk.view(b.spec.shape).to(b.param.dtype)
-        for b in active:
-            lr = float(self.param_groups[b.group_index]["lr"])
-            b.view(b.param).add_(directions[b.gid], alpha=-lr)
+        lrs = [float(g["lr"]) for g in self.param_groups]
+        return new_parameter_values(active, directions, lrs)
 
     # -- state dict ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -437,13 +422,14 @@ class Shampoo(torch.optim.Optimizer):
         return configs_to_dicts(super().state_dict(), self.reducer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`, bit for bit (no dtype casts of the factors)."""
-        check_saved_rank(state_dict, self.reducer)
-        # All or nothing: the groups are checked before anything changes; a saved state
-        # that does not fit the blocks is found only by building them, so the previous
-        # groups, state and blocks are put back if that fails.
-        saved_groups = state_dict["param_groups"]
-        groups = validated_groups(saved_groups)
+        """Restore a :meth:`state_dict` bit for bit, or refuse it and change nothing.
+
+        Checked before anything is kept: that it is a Shampoo state dict of this rank
+        and world size, its hyperparameters, and every block entry this optimizer keeps
+        (present, shape, a dtype that holds it exactly, finite values, non-negative
+        second moments and factor diagonals, whole step counts >= 0).  With several
+        ranks, a rank that refuses makes every rank refuse.
+        """
         previous = (
             self.param_groups,
             self.state,
@@ -451,16 +437,27 @@ class Shampoo(torch.optim.Optimizer):
             self._batches,
             self._blocks,
             self._structures,
+            self._wire_dtype,
         )
         try:
-            # Torch's loader would cast floating state to the parameter's dtype, so only
-            # the groups go through it and the state is restored by restored_state.
-            super().load_state_dict({"state": {}, "param_groups": groups})
-            self.state = restored_state(state_dict, saved_groups, self.param_groups)
-            for group in self.param_groups:
-                self._normalize(group)
+            error: Exception | None = None
+            try:
+                check_saved_layout(state_dict, self._hyperparameters)
+                check_saved_rank(state_dict, self.reducer)
+                saved_groups = state_dict["param_groups"]
+                groups = validated_groups(saved_groups)
+                # Torch's loader would cast floating state to the parameter's dtype, so
+                # only the groups go through it and the state is restored here.
+                super().load_state_dict({"state": {}, "param_groups": groups})
+                self.state = restored_state(state_dict, saved_groups, self.param_groups)
+                for group in self.param_groups:
+                    self._normalize(group)
+            except Exception as exc:
+                if self.reducer.world_size == 1:
+                    raise
+                error = exc
             self._built = False
-            self._build()
+            self._build(error, required=bool(error is None and state_dict["state"]))
         except BaseException:
             (
                 self.param_groups,
@@ -469,5 +466,6 @@ class Shampoo(torch.optim.Optimizer):
                 self._batches,
                 self._blocks,
                 self._structures,
+                self._wire_dtype,
             ) = previous
             raise

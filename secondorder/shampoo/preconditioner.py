@@ -244,11 +244,33 @@ class EigenvalueCorrectedPreconditioner(Preconditioner):
         else:
             E.mul_(self.beta2).addcmul_(rotated, rotated, value=1.0 - self.beta2)
 
-    def precondition(self, state: dict[str, Tensor], M: Tensor, step: int) -> Tensor:  # noqa: D102
+    def precondition(self, state: dict[str, Tensor], M: Tensor, step: int) -> Tensor:
+        """Rotate ``M``, divide by ``sqrt(E) + ε`` where ``E`` is not rounding noise, rotate back.
+
+        In the null space of the factors the rotated gradient is rounding noise, and
+        so is ``E`` there; their ratio is noise over noise, which a float32 step can
+        turn into a move thousands of times the float64 one.  As the pseudo-inverse
+        does for eigenvalues, a coordinate whose ``E`` is at most ``rtol · max E`` (over
+        the block) gets a zero direction instead: ``rtol`` is ``EigenConfig.rank_rtol``,
+        by default the largest block dimension times the dtype's machine epsilon.
+        """
         basis = self._basis(state)
         rotated = mode_product(M, basis, transpose=True)
-        denom = state["corrected_eigenvalues"].sqrt()
+        E = state["corrected_eigenvalues"]
+        denom = E.sqrt()
         bc2 = self.bias_correction2(step)
         if bc2 != 1.0:
             denom = denom / bc2**0.5
-        return mode_product(rotated / denom.add_(self.epsilon), basis)
+        dims = tuple(range(1, E.ndim))
+        cutoff = self.null_rtol(E.dtype) * E.amax(dim=dims, keepdim=True)
+        direction = torch.where(
+            cutoff < E, rotated / denom.add_(self.epsilon), torch.zeros_like(rotated)
+        )
+        return mode_product(direction, basis)
+
+    def null_rtol(self, dtype: torch.dtype) -> float:
+        """``E ≤ null_rtol · max E`` is the factors' null space (see :meth:`precondition`)."""
+        cfg = self.root_inv_config
+        if isinstance(cfg, EigenConfig) and cfg.rank_rtol is not None:
+            return cfg.rank_rtol
+        return max(self.shape) * torch.finfo(dtype).eps

@@ -6,7 +6,9 @@ saves the blocks it owns, and floating state is restored without dtype casts.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,6 +19,8 @@ from .config import config_from_dict, config_to_dict, validate_group
 from .groups import normalize_group
 
 __all__ = [
+    "check_entry",
+    "check_saved_layout",
     "check_saved_rank",
     "configs_to_dicts",
     "ensure_int64_steps",
@@ -35,6 +39,26 @@ def configs_to_dicts(sd: dict[str, Any], reducer: Reducer) -> dict[str, Any]:
         "world_size": reducer.world_size,
     }
     return sd
+
+
+def check_saved_layout(state_dict: Any, defaults: Sequence[str]) -> None:
+    """Refuse what is not a Shampoo state dict, naming what it lacks and holds instead."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        shown = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            f"Invalid state_dict (keys {shown}): must be a dict with 'state' and "
+            "'param_groups', as Shampoo.state_dict() returns."
+        )
+    for gi, g in enumerate(state_dict["param_groups"]):
+        missing = [k for k in defaults if k not in g]
+        if missing:
+            extra = sorted(k for k in g if k not in defaults and k != "params")
+            raise ValueError(
+                f"this is not a Shampoo state dict: its param_groups[{gi}] lacks {missing} "
+                f"and holds {extra}; it was saved by another optimizer (torch.optim.Adam's "
+                "looks like this). Load a state dict saved by Shampoo.state_dict(), or "
+                "start this optimizer fresh; nothing was loaded."
+            )
 
 
 def check_saved_rank(state_dict: dict[str, Any], reducer: Reducer) -> None:
@@ -78,9 +102,87 @@ def restored_state(
     }
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     for pid, pstate in state_dict["state"].items():
+        if pid not in id_to_param:
+            raise ValueError(
+                f"the saved state holds parameter id {pid!r}, which no saved param_group "
+                "lists; the state dict is corrupt; nothing was loaded."
+            )
         p = id_to_param[pid]
+        for k, v in pstate.items():
+            if not isinstance(v, Tensor) or v.is_meta:
+                got = "a meta tensor" if isinstance(v, Tensor) else type(v).__name__
+                raise TypeError(
+                    f"Invalid saved state {k!r} of parameter id {pid}: must be a tensor "
+                    f"with data, got {got}; nothing was loaded."
+                )
         state[p] = {k: v.detach().clone().to(p.device) for k, v in pstate.items()}
+    _check_steps(state, param_groups)
     return state
+
+
+def _check_steps(state: Any, param_groups: list[dict[str, Any]]) -> None:
+    """Every saved step count is a whole number >= 0, one count per group."""
+    for gi, group in enumerate(param_groups):
+        counts = set()
+        for p in group["params"]:
+            step = state[p].get("step") if p in state else None
+            if step is None:
+                continue
+            value = float(step.item()) if step.numel() == 1 else float("nan")
+            if not (math.isfinite(value) and value >= 0 and value == int(value)):
+                raise ValueError(
+                    f"Invalid saved step={step.tolist()!r} in param_groups[{gi}]: must be a "
+                    "whole number >= 0 (the count of steps taken); nothing was loaded."
+                )
+            counts.add(int(value))
+        if len(counts) > 1:
+            raise ValueError(
+                f"the saved step counts of param_groups[{gi}] differ ({sorted(counts)}): a "
+                "group's parameters step together, so the state dict is corrupt; nothing "
+                "was loaded."
+            )
+
+
+# The entries that hold sums or averages of squares: negative values are impossible.
+_NON_NEGATIVE = ("corrected_eigenvalues", "grafting_state", "failed_amortized_computations")
+
+
+def check_entry(entry: str, name: str, saved: Tensor, buf: Tensor) -> None:
+    """Refuse a saved block entry of the wrong shape, a lossy dtype or impossible values.
+
+    ``buf`` is the (stacked) buffer row it will be copied into.  Floating entries must be
+    finite; second moments and failure counts non-negative; a factor's diagonal
+    non-negative (it is a sum of ``GGᵀ``).  An upcast (a bfloat16 factor into float32)
+    is exact and allowed.
+    """
+    where = f"the saved state {entry!r} of {name}"
+    if saved.shape != buf.shape:
+        raise ValueError(
+            f"{where} has shape {tuple(saved.shape)}, expected {tuple(buf.shape)}: it was "
+            "saved with other max_preconditioner_dim or parameters"
+        )
+    if saved.dtype != buf.dtype and (
+        saved.is_floating_point() != buf.is_floating_point()
+        or torch.promote_types(saved.dtype, buf.dtype) != buf.dtype
+    ):
+        raise ValueError(
+            f"{where} has dtype {saved.dtype}, which {buf.dtype} cannot hold exactly: it was "
+            "saved with another factor_dtype or parameter dtype; build the optimizer with the "
+            "saved one (or load it into the same model); nothing was loaded."
+        )
+    if saved.is_floating_point() and saved.numel() and not bool(torch.isfinite(saved).all()):
+        raise ValueError(
+            f"{where} holds NaN or Inf: the checkpoint is corrupt; nothing was loaded."
+        )
+    key = entry.split(".", 1)[1]
+    if key.startswith("factor"):
+        values, what = saved.diagonal(), "a diagonal entry below 0 (a factor is a sum of GGᵀ)"
+    elif key in _NON_NEGATIVE:
+        values, what = saved, "values below 0 (it is a sum of squares or a count)"
+    else:
+        return
+    if values.numel() and bool((values < 0).any()):
+        raise ValueError(f"{where} holds {what}: the checkpoint is corrupt; nothing was loaded.")
 
 
 def ensure_int64_steps(param_groups: list[dict[str, Any]], state: Any) -> None:

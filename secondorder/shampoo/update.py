@@ -1,0 +1,172 @@
+"""One batch's Shampoo step, computed into new tensors that a single call commits.
+
+A step is a transaction: :func:`compute_update` reads the batch's stacked state and
+writes only copies (the factors, grafting state, filtered gradient, momentum, the
+roots when they are refreshed, the failure counters), and the parameters' new
+values are formed beside them.  Nothing the user can see changes until
+:func:`commit` copies every new tensor into place in one ``torch._foreach_copy_``
+call, which a Ctrl-C (delivered between Python bytecodes) cannot split.  An error
+or an interrupt before that, on any rank, leaves parameters and state as they were.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .blocks import Batch, Block, Prepared
+from .config import resolved_start
+from .grafting import grafting_direction, update_grafting
+from .preconditioner import Preconditioner
+
+__all__ = ["BatchUpdate", "commit", "compute_update", "refreshes_roots"]
+
+# Entries rewritten only when the roots (or eigenbases) are refreshed.
+_AMORTIZED = ("root", "root_factor", "eigenvectors")
+
+
+@dataclass
+class BatchUpdate:
+    """What one batch's step will write: ``(destination, new value)`` pairs, directions."""
+
+    writes: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    directions: dict[int, Tensor] = field(default_factory=dict)
+
+
+def refreshes_roots(group: dict[str, Any], t: int) -> bool:
+    """Whether step ``t`` recomputes the group's roots (or eigenbases)."""
+    start, freq = resolved_start(group), group["precondition_frequency"]
+    return (t % freq == 0 and t > start) or t == start
+
+
+def _working_state(batch: Batch, prep: Prepared, amortize: bool) -> dict[str, Tensor]:
+    """Copies of the entries this step writes; the others are read in place."""
+    if prep.index is not None:  # index_select already copied every entry
+        return dict(prep.state)
+    S = dict(prep.state)
+    for k, v in S.items():
+        if amortize or not k.startswith(_AMORTIZED):
+            S[k] = v.clone()
+    return S
+
+
+def compute_update(
+    pre: Preconditioner, group: dict[str, Any], batch: Batch, prep: Prepared, t: int
+) -> BatchUpdate:
+    """The batch's new state and its blocks' directions ``P``; no state is changed."""
+    blocks, G, W = prep.blocks, prep.G, prep.W
+    amortize = refreshes_roots(group, t)
+    S = _working_state(batch, prep, amortize)
+    wd = float(group["weight_decay"])
+    beta1 = float(group["betas"][0])
+    grafting = group["grafting_config"]
+    fdtype = S["factor0"].dtype
+    Gf = G.to(fdtype)
+    pre.update_factors(S, Gf)
+    update_grafting(grafting, S.get("grafting_state"), G)
+    if amortize:
+        _amortize(pre, S, t, blocks, group)
+    pre.after_amortize(S, Gf, t)
+    if beta1 != 0.0:
+        S["filtered_grad"].lerp_(G, 1.0 - beta1)
+        M = S["filtered_grad"]
+        if group["use_bias_correction"]:
+            M = M / (1.0 - beta1**t)
+    else:
+        M = G
+    start = resolved_start(group)
+    if t < start and grafting is not None:
+        P = grafting_direction(grafting, S.get("grafting_state"), M, t)
+    else:
+        P = pre.precondition(S, M.to(fdtype), t).to(G.dtype)
+        if grafting is not None:
+            dims = tuple(range(1, P.ndim))
+            graft = grafting_direction(grafting, S.get("grafting_state"), M, t)
+            scale = torch.linalg.vector_norm(graft, dim=dims) / (
+                torch.linalg.vector_norm(P, dim=dims) + 1e-16
+            )
+            P = P * scale.view(-1, *([1] * len(dims)))
+    if P is M or P is G or P is S.get("filtered_grad"):
+        P = P.clone()
+    if W is not None and group["use_decoupled_weight_decay"]:
+        P.add_(W, alpha=wd)
+    if "momentum_buffer" in S:
+        mom, damp = float(group["momentum"]), float(group["dampening"])
+        buf = S["momentum_buffer"]
+        buf.mul_(mom).add_(P, alpha=1.0 - damp)
+        if group["use_nesterov"]:
+            P.mul_(1.0 - damp).add_(buf, alpha=mom)
+        else:
+            P = buf.clone()
+    P = P.to(blocks[0].param.dtype)  # a no-op unless the parameters are half precision
+    update = BatchUpdate()
+    for k, new in S.items():
+        old = batch.state[k]
+        if prep.index is not None:
+            update.writes.append((old, old.index_copy(0, prep.index, new)))
+        elif new is not old:
+            update.writes.append((old, new))
+    for i, b in enumerate(blocks):
+        update.directions[b.gid] = P[i]
+    return update
+
+
+def _amortize(
+    pre: Preconditioner, S: dict[str, Tensor], t: int, blocks: list[Block], group: dict[str, Any]
+) -> None:
+    """Refresh the roots in ``S``; count failures; raise past the tolerated number."""
+    failed = pre.amortize(S, t)
+    counter = S["failed_amortized_computations"]
+    failed_blocks = sorted({i for i, _ in failed})
+    mask = torch.zeros_like(counter, dtype=torch.bool)
+    mask[failed_blocks] = True
+    counter.add_(mask.to(counter.dtype)).mul_(mask.to(counter.dtype))
+    tolerated = group["num_tolerated_failed_amortized_computations"]
+    for i in failed_blocks:
+        b = blocks[i]
+        factors = [k for j, k in failed if j == i]
+        count = int(counter[i])
+        if count > tolerated:
+            raise RuntimeError(
+                f"the root computation of block {b.spec.index} (factors {factors}) of "
+                f"{b.name} failed {count} times in a row, more than "
+                f"num_tolerated_failed_amortized_computations={tolerated}; no state was "
+                "changed. Check the gradients, raise epsilon, or use "
+                "factor_dtype=torch.float64."
+            )
+        warnings.warn(
+            f"Shampoo: the root computation of block {b.spec.index} (factors {factors}) "
+            f"of {b.name} failed at step {t} even in float64; keeping its previous "
+            f"root ({count} failure(s) in a row, {tolerated} tolerated).",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def new_parameter_values(
+    blocks: Sequence[Block], directions: dict[int, Tensor], lrs: Sequence[float]
+) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, W − lr·P)`` for every parameter with a block in ``blocks``.
+
+    The new values are formed in a contiguous copy of each parameter, so a transposed
+    or ``channels_last`` parameter is updated like a contiguous one; ``lrs`` holds
+    each parameter group's learning rate.
+    """
+    fresh: dict[int, tuple[Tensor, Tensor]] = {}
+    for b in blocks:
+        key = id(b.param)
+        if key not in fresh:
+            fresh[key] = (b.param, b.param.detach().clone(memory_format=torch.contiguous_format))
+        b.view(fresh[key][1]).add_(directions[b.gid], alpha=-lrs[b.group_index])
+    return list(fresh.values())
+
+
+def commit(writes: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """Copy every new value into its destination, in one call."""
+    if writes:
+        torch._foreach_copy_([d for d, _ in writes], [s for _, s in writes])

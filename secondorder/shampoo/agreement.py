@@ -64,7 +64,7 @@ def _by_rank(values: Sequence[Any]) -> str:
 def check_tallies(
     tallies: Sequence[Tensor],
     param_groups: list[dict[str, Any]],
-    error: Exception | None,
+    error: BaseException | None,
     reducer: Reducer,
 ) -> None:
     """Raise on every rank alike unless no rank failed and the tallies agree."""
@@ -116,7 +116,7 @@ def check_tallies(
             raise ValueError(f"the hyperparameters of param_groups[{gi}] differ across ranks")
 
 
-def agree_refusal(reducer: Reducer, error: Exception | None, what: str, device: Any) -> None:
+def agree_refusal(reducer: Reducer, error: BaseException | None, what: str, device: Any) -> None:
     """Every rank raises if any refused ``what``: one all-reduce of per-rank flags."""
     if reducer.world_size == 1:
         if error is not None:

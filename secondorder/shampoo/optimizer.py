@@ -238,7 +238,7 @@ class Shampoo(torch.optim.Optimizer):
     def _device(self) -> torch.device:
         return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
 
-    def _build(self, error: Exception | None = None, required: bool = False) -> None:
+    def _build(self, error: BaseException | None = None, required: bool = False) -> None:
         """Cut parameters into blocks, assign owners, stack the owned blocks' state.
 
         Per-parameter state (torch's schema) holds views into the stacked buffers, so
@@ -260,7 +260,7 @@ class Shampoo(torch.optim.Optimizer):
                     "communication_dtype": repr(self.communication_dtype),
                 }
                 batches = self._stack_state(blocks, required)
-            except Exception as exc:
+            except BaseException as exc:  # flagged to the other ranks, then re-raised
                 if self.reducer.world_size == 1:
                     raise
                 error = exc
@@ -312,12 +312,12 @@ class Shampoo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         world = self.reducer.world_size
-        error: Exception | None = None
+        error: BaseException | None = None
         try:
             for group in self.param_groups:
                 self._normalize(group)
                 validate_group(group)
-        except Exception as exc:
+        except BaseException as exc:  # flagged to the other ranks, then re-raised
             if world == 1:
                 raise
             error = exc
@@ -328,7 +328,7 @@ class Shampoo(torch.optim.Optimizer):
         if error is None:
             try:
                 steps, updates = self._compute()
-            except Exception as exc:
+            except BaseException as exc:  # flagged to the other ranks, then re-raised
                 if world == 1:
                     raise
                 error = exc
@@ -377,7 +377,7 @@ class Shampoo(torch.optim.Optimizer):
         check_overflow(self.param_groups, prepared)
 
     def _new_parameters(
-        self, updates: list[BatchUpdate], error: Exception | None
+        self, updates: list[BatchUpdate], error: BaseException | None
     ) -> list[tuple[Tensor, Tensor]]:
         """``(parameter, W − lr·P)`` pairs, after the ranks exchanged and agreed.
 
@@ -440,7 +440,7 @@ class Shampoo(torch.optim.Optimizer):
             self._wire_dtype,
         )
         try:
-            error: Exception | None = None
+            error: BaseException | None = None
             try:
                 check_saved_layout(state_dict, self._hyperparameters)
                 check_saved_rank(state_dict, self.reducer)
@@ -452,7 +452,7 @@ class Shampoo(torch.optim.Optimizer):
                 self.state = restored_state(state_dict, saved_groups, self.param_groups)
                 for group in self.param_groups:
                     self._normalize(group)
-            except Exception as exc:
+            except BaseException as exc:  # flagged to the other ranks, then re-raised
                 if self.reducer.world_size == 1:
                     raise
                 error = exc

@@ -178,8 +178,8 @@ def _stage_targets() -> list[tuple[Any, str, str]]:
     Looked up by name so that a renamed function in :mod:`secondorder.shampoo` drops
     out of the breakdown (its time lands in ``other``) instead of breaking the run.
     """
-    from secondorder.shampoo import optimizer as opt_mod
     from secondorder.shampoo import preconditioner as pc
+    from secondorder.shampoo import update as opt_mod
 
     wanted = [
         (pc.Preconditioner, "update_factors", "factor"),

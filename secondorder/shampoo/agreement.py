@@ -23,7 +23,7 @@ from ..distributed import Reducer
 from ..lm.problem import RankFailedError
 from .groups import block_name
 
-__all__ = ["agree_refusal", "check_tallies", "group_settings", "step_tally"]
+__all__ = ["agree_refusal", "check_tallies", "group_settings", "header_bytes", "step_tally"]
 
 _UNCHANGED = "no rank changed its parameters or optimizer state"
 
@@ -55,6 +55,11 @@ def step_tally(
     for group, count in zip(param_groups, counts, strict=True):
         values += [_real(group["lr"]), float(count), _fingerprint(group)]
     return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def header_bytes(n_params: int, n_groups: int) -> int:
+    """Bytes each rank adds to a step's all-gather: the direction count and the tally."""
+    return 8 * (1 + 1 + n_params + 3 * n_groups)
 
 
 def _by_rank(values: Sequence[Any]) -> str:

@@ -135,7 +135,11 @@ class EigenConfig(RootInvConfig):
     ``pseudo_inverse=True`` treats eigenvalues ``≤ rank_rtol · λ_max`` (default
     ``n · machine epsilon``) as zero and gives them a zero inverse root instead of
     adding ``epsilon``: for factors that are rank deficient by construction (fewer
-    samples than the dimension); it requires ``epsilon=0.0``.
+    samples than the dimension); it requires ``epsilon=0.0``.  For the
+    eigenvalue-corrected preconditioner (SOAP), ``rank_rtol`` is the level of the
+    second moment ``E ≤ rank_rtol · max E`` below which a coordinate counts as the
+    factors' null space and gets a zero direction (default: the block's largest
+    dimension times machine epsilon).
     """
 
     retry_double_precision: bool = True

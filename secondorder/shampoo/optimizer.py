@@ -80,7 +80,10 @@ class Shampoo(torch.optim.Optimizer):
 
     Non-finite gradients, and finite ones that would overflow the factors or the
     grafting state (checked exactly in float64, see ``_check_overflow``), raise
-    ``FloatingPointError`` before any state or parameter changes.
+    ``FloatingPointError`` before any state or parameter changes.  A step is all or
+    nothing (:mod:`.update`): whatever raises, a Ctrl-C included, leaves parameters and
+    state as they were; with several ranks every rank raises with it, and ranks whose
+    ``lr`` or other hyperparameters differ are refused (:mod:`.agreement`).
 
     Step count, as in DistributedShampoo: ``t`` (bias corrections, root schedule) is
     one count per parameter group, advanced by every ``step()`` in which any of the
@@ -105,7 +108,10 @@ class Shampoo(torch.optim.Optimizer):
             (1: plain sums, AdaGrad-like).
         epsilon: added to the factors' diagonal before the root (must be 0 with
             ``EigenConfig(pseudo_inverse=True)``); for the eigenvalue-corrected
-            variant, added to ``sqrt(E)`` as in Adam.
+            variant, added to ``sqrt(E)`` as in Adam, where a coordinate whose ``E``
+            is at rounding level (``≤ rank_rtol · max E``, default the block's largest
+            dimension times machine epsilon) is the factors' null space and gets a
+            zero direction instead of noise over ``epsilon``.
         momentum, dampening, use_nesterov: momentum ``μ`` on the final direction,
             ``b ← μb + (1−d)P``, then ``P ← b`` (Nesterov: ``P ← (1−d)P + μb``), with
             ``b`` starting at zero as in DistributedShampoo.  With ``dampening=0`` (the
@@ -123,7 +129,9 @@ class Shampoo(torch.optim.Optimizer):
         grafting_config: ``None`` or an SGD/AdaGrad/RMSprop/Adam grafting config.
         preconditioner: ``"root_inverse"`` (Shampoo) or ``"eigenvalue_corrected"`` (SOAP).
         root_inv_config: ``EigenConfig(...)`` (default) or ``CoupledNewtonConfig(...)``.
-        factor_dtype: dtype of factors and roots; ``None`` is the parameter's dtype.
+        factor_dtype: dtype of factors and roots; ``None`` is the parameter's dtype,
+            float32 for float16 and bfloat16 parameters (whose whole state and step
+            are then float32, only the direction rounded to the parameter's dtype).
         num_tolerated_failed_amortized_computations: consecutive failed root
             computations of one block that keep the previous root (with a warning)
             before an error.

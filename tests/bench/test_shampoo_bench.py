@@ -30,6 +30,7 @@ from benchmarks.shampoo_methods import (
 )
 from benchmarks.shampoo_scaling import Config, blocks_of, gather_bytes, paper_table
 from secondorder.shampoo import Shampoo
+from secondorder.shampoo.agreement import header_bytes
 
 OURS = ("shampoo", "shampoo_f100", "soap", "shampoo_adamw")
 
@@ -155,8 +156,8 @@ def test_runner_equals_a_hand_loop_of_adamw_bitwise(digits_problem: Any) -> None
 
 
 def test_stage_timing_sees_every_stage_and_restores_the_functions() -> None:
-    from secondorder.shampoo import optimizer as opt_mod
     from secondorder.shampoo import preconditioner as pc
+    from secondorder.shampoo import update as opt_mod
 
     before = (pc.Preconditioner.amortize, opt_mod.update_grafting)
     torch.manual_seed(0)
@@ -267,10 +268,16 @@ def test_counted_gather_bytes_equal_the_formula_on_two_ranks(which: int) -> None
     assert sum(formula) == n * itemsize
     for rank, rec in enumerate(recs):
         assert len(rec["traffic"]) == config.steps
+        header = header_bytes(len(recs[0]["shapes"]), 1)
         for step, t in enumerate(rec["traffic"]):
-            # one all-gather of directions, and gather_rows' exchange of row counts
+            # one all-gather of directions (with the ranks' tally: failure flag and
+            # settings), and gather_rows' exchange of row counts; building the state
+            # at the first step adds one all-reduce of the ranks' refusal flags
             expected = Traffic(
-                allgather=formula[rank], allgather_calls=1, allreduce=2 * 2 * 8, allreduce_calls=1
+                allgather=formula[rank] + header,
+                allgather_calls=1,
+                allreduce=2 * 2 * 8 + (2 * 8 if step == 0 else 0),
+                allreduce_calls=2 if step == 0 else 1,
             )
             assert Traffic(**t) == expected, f"rank {rank} step {step}"
         grads = n * 4  # float32 gradients all-reduced, as DDP does

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed import Reducer
-from ..lm.problem import RankFailedError
+from ..distributed import RankFailedError, Reducer
 from .groups import block_name
 
 __all__ = ["agree_refusal", "check_tallies", "group_settings", "header_bytes", "step_tally"]

@@ -1,0 +1,81 @@
+"""The covariance of every fit of a batch: :func:`~secondorder.fitting.covariance`'s rule.
+
+Per fit ``s²·(JᵀJ)⁻¹`` with ``s² = 2·cost/(m - n)`` (or 1 with ``absolute_sigma``,
+or inf everywhere when ``m ≤ n``), and inf in the rows and columns of a parameter the
+data do not determine.  The rank is decided on J with its columns scaled to norm 1,
+with scipy's threshold ``eps·max(m, n)·s_max`` on the singular values.
+
+Fast path: the Cholesky factorisation of the scaled ``JᵀJ`` (unit diagonal, so
+``λ_max ≤ n``) and its inverse bound the condition number; where that bound proves
+the rank full, and the inverse accurate in float64, it is the answer.  The other fits
+(rank deficient or nearly so) take the singular value decomposition.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["batch_covariance"]
+
+_EPS64 = torch.finfo(torch.float64).eps
+
+
+def batch_covariance(J: Tensor, cost2: Tensor | None, *, eps: float) -> Tensor:
+    """``(B, n, n)`` float64 covariances from weighted Jacobians ``J`` ``(B, m, n)``.
+
+    ``cost2``: ``2·cost`` per fit to estimate ``s²`` from (``None``: ``s² = 1``,
+    ``absolute_sigma``); ``eps``: the precision J was computed in (the rank rule's).
+    """
+    b, m, n = J.shape
+    J64 = J.to(torch.float64)
+    finite = torch.isfinite(J64).all(-1).all(-1)
+    # A fit that failed (NaN data) has no covariance; zeros keep LAPACK away from NaN.
+    J64 = torch.where(finite[:, None, None], J64, 0.0)
+    norms = torch.linalg.vector_norm(J64, dim=1)
+    scale = torch.where(norms > 0, norms, torch.ones_like(norms))
+    Js = J64 / scale.unsqueeze(1)
+    C = Js.mT @ Js
+    L, info = torch.linalg.cholesky_ex(C)
+    inv = torch.cholesky_inverse(L)
+    bound = n * torch.linalg.vector_norm(inv, dim=(-2, -1))
+    fast = (
+        (info == 0)
+        & torch.isfinite(bound)
+        & (bound < 1e-3 / _EPS64)
+        & (bound * (eps * max(m, n)) ** 2 < 0.5)
+        & (norms > 0).all(-1)
+    )
+    undetermined = torch.zeros(b, n, dtype=torch.bool, device=J.device)
+    slow = torch.nonzero(~fast).flatten()  # one host read per call
+    if slow.numel():
+        cov_s, und_s = _svd_covariance(Js[slow], eps)
+        inv = inv.index_put((slow,), cov_s)
+        undetermined = undetermined.index_put((slow,), und_s)
+    cov = inv / scale.unsqueeze(-1) / scale.unsqueeze(-2)
+    if cost2 is not None:
+        if m > n:
+            cov = cov * (cost2.to(torch.float64) / (m - n))[:, None, None]
+        else:
+            cov = torch.full_like(cov, math.inf)
+    bad = torch.isnan(cov).any(-1).any(-1) | ~finite
+    cov = torch.where(bad[:, None, None], math.inf, cov)
+    return torch.where(undetermined.unsqueeze(-1) | undetermined.unsqueeze(-2), math.inf, cov)
+
+
+def _svd_covariance(Js: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``((JsᵀJs)⁺, undetermined)`` by the SVD, as :func:`..report._unscaled_covariance`."""
+    _, s, Vh = torch.linalg.svd(Js, full_matrices=True)
+    m, n = Js.shape[-2:]
+    top = s[..., :1]
+    kept = (s > eps * max(m, n) * top) & (top > 0)
+    width = s.shape[-1]
+    inv_s2 = torch.where(kept, 1.0 / (s * s), torch.zeros_like(s))
+    rows = Vh[..., :width, :]
+    cov = (rows.mT * inv_s2.unsqueeze(-2)) @ rows
+    rank = kept.sum(-1, keepdim=True)
+    null = torch.arange(n, device=Js.device) >= rank
+    null_norm = torch.linalg.vector_norm(Vh * null.unsqueeze(-1), dim=-2)
+    return cov, null_norm > math.sqrt(eps)

@@ -1,0 +1,213 @@
+"""Running a batch: chunks that fit in memory, steps on the device, a read every few.
+
+The host's part of a batched fit is small: split the fits into chunks sized from the
+memory available (:func:`chunk_size`), call :func:`~.engine.step` ``check_every``
+times, read the ``done`` mask once, and when enough fits have finished, write their
+results out and drop them from the working set (*compaction*), so a few slow fits
+do not keep the finished ones computing.  Compaction moves the unfinished fits within
+the working tensors; every operation of a step is per fit, so a fit's numbers do not
+depend on where it sits (and never on another fit's values).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .covariance import batch_covariance
+from .engine import BatchState, start, step
+from .problem import BatchProblem
+from .rule import BatchTrustRegion
+
+__all__ = ["Outputs", "RunOptions", "chunk_size", "run"]
+
+#: The CPU memory a chunk may use when no ``memory_budget`` is given (bytes).
+CPU_BUDGET = 1 << 30
+#: The share of a GPU's free memory a chunk may use.
+GPU_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the driver runs (validated by the public functions)."""
+
+    budget: int
+    damping: float
+    check_every: int
+    chunk: int
+    progress: Callable[[int, int], Any] | None
+    xtol_in_x: float
+    covariance: bool
+    absolute_sigma: bool
+
+
+@dataclass
+class Outputs:
+    """Per-fit results of a whole batch (the public functions name them)."""
+
+    y: Tensor
+    x: Tensor
+    f: Tensor
+    cost2: Tensor
+    status: Tensor
+    nfev: Tensor
+    njev: Tensor
+    nit: Tensor
+    pcov: Tensor | None
+
+
+def chunk_size(
+    batch: int, m: int, n: int, dtype: torch.dtype, device: torch.device, budget: int | None
+) -> int:
+    """How many fits one chunk holds: memory per fit against the memory allowed.
+
+    A fit's step holds its residuals and Jacobian several times over (forward-mode
+    tangents of each intermediate of the model, the trial point, the normal
+    matrices): about ``24·m·(n+1) + 40·n²`` numbers, a generous estimate.  The memory
+    allowed is ``budget`` bytes, else half the device's free memory on a GPU, else
+    :data:`CPU_BUDGET`.
+    """
+    item = torch.finfo(dtype).bits // 8
+    per_fit = item * (24 * m * (n + 1) + 40 * n * n)
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * GPU_SHARE)
+        else:
+            budget = CPU_BUDGET
+    return max(1, min(batch, budget // per_fit))
+
+
+def _tqdm_progress(total: int) -> Callable[[int, int], Any]:
+    """A progress bar from tqdm when it is installed, else a line on stderr per update."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        bar = tqdm(total=total, unit="fit")
+
+        def update(done: int, _: int) -> None:
+            bar.update(done - bar.n)
+            if done >= total:
+                bar.close()
+
+        return update
+
+    def line(done: int, total: int) -> None:
+        print(f"\rfits done: {done}/{total}", end="\n" if done >= total else "", file=sys.stderr)
+
+    return line
+
+
+def make_progress(progress: Any, total: int) -> Callable[[int, int], Any] | None:
+    """``progress`` as a callback ``(done, total)``: ``True`` a bar, a callable itself."""
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        return _tqdm_progress(total)
+    return progress
+
+
+def run(problem: BatchProblem, y0: Tensor, rule: BatchTrustRegion, opts: RunOptions) -> Outputs:
+    """Fit every fit of ``problem`` from ``y0``, chunk by chunk."""
+    total, n = y0.shape
+    out = Outputs(
+        y=torch.empty_like(y0),
+        x=torch.empty_like(y0),
+        f=y0.new_empty(total, problem.m),
+        cost2=y0.new_empty(total),
+        status=torch.empty(total, dtype=torch.int64, device=y0.device),
+        nfev=torch.empty(total, dtype=torch.int64, device=y0.device),
+        njev=torch.empty(total, dtype=torch.int64, device=y0.device),
+        nit=torch.empty(total, dtype=torch.int64, device=y0.device),
+        pcov=y0.new_empty(total, n, n) if opts.covariance else None,
+    )
+    finished = 0
+    for lo in range(0, total, opts.chunk):
+        hi = min(total, lo + opts.chunk)
+        whole = lo == 0 and hi == total
+        index = torch.arange(lo, hi, device=y0.device)
+        sub = problem if whole else problem.take(index)
+        finished = _run_chunk(sub, y0[lo:hi], index, rule, opts, out, finished, total)
+        if opts.covariance:
+            _chunk_covariance(sub, index, opts, out)
+    return out
+
+
+def _run_chunk(
+    problem: BatchProblem,
+    y0: Tensor,
+    positions: Tensor,
+    rule: BatchTrustRegion,
+    opts: RunOptions,
+    out: Outputs,
+    finished_before: int,
+    total: int,
+) -> int:
+    """Step one chunk until every fit is done; write results as fits finish."""
+    state = start(problem, y0, opts.damping)
+    # Every attempt costs an evaluation or raises λ tenfold (at most ~60 times before
+    # the cap ends the iteration), so this bound is never reached by a fit that follows
+    # the rule; it only guarantees the loop ends.
+    max_steps = 2 * opts.budget + 100
+    steps = 0
+    finished = finished_before
+    while True:
+        for _ in range(opts.check_every):
+            step(state, problem, rule, budget=opts.budget, xtol_in_x=opts.xtol_in_x)
+        steps += opts.check_every
+        done = np.asarray(state.done.tolist(), dtype=bool)  # the one host read
+        if steps >= max_steps:
+            done[:] = True
+        count = int(done.sum())
+        if count == done.size:
+            _write(state, problem, positions, out)
+            finished += count
+            if opts.progress is not None:
+                opts.progress(finished, total)
+            return finished
+        if count and count >= max(1, done.size // 8):
+            # Compaction: write the finished fits out and keep the others.
+            gone = torch.from_numpy(np.flatnonzero(done)).to(positions.device)
+            keep = torch.from_numpy(np.flatnonzero(~done)).to(positions.device)
+            _write(state.take(gone), problem.take(gone), positions[gone], out)
+            state, problem, positions = state.take(keep), problem.take(keep), positions[keep]
+            finished += count
+            if opts.progress is not None:
+                opts.progress(finished, total)
+
+
+def _write(
+    state: BatchState,
+    problem: BatchProblem,
+    positions: Tensor,
+    out: Outputs,
+) -> None:
+    """Store the results of the fits in ``state`` at ``positions`` of ``out``."""
+    out.y[positions] = state.y
+    out.x[positions] = problem.transform.to_x(state.y)
+    out.f[positions] = state.f
+    out.cost2[positions] = state.cost2
+    out.status[positions] = state.status
+    out.nfev[positions] = state.nfev
+    out.njev[positions] = state.njev
+    out.nit[positions] = state.nit
+
+
+def _chunk_covariance(
+    problem: BatchProblem, positions: Tensor, opts: RunOptions, out: Outputs
+) -> None:
+    """The covariance of each fit of a chunk, from the Jacobian at its solution."""
+    assert out.pcov is not None
+    y, f = out.y[positions], out.f[positions]
+    J = problem.report_jacobian(y, f)
+    scale2 = None if opts.absolute_sigma else out.cost2[positions]
+    cov = batch_covariance(J, scale2, eps=torch.finfo(y.dtype).eps)
+    out.pcov[positions] = cov.to(out.pcov.dtype)

@@ -1,0 +1,240 @@
+"""One LM attempt for every unfinished fit of a batch, without a host read.
+
+:func:`start` evaluates and linearises every fit at its starting point; each
+:func:`step` then runs one attempt per unfinished fit, as one attempt of
+:func:`~secondorder.lm.engine.iterate` inside :func:`~secondorder.least_squares`'s
+loop: at the start of an iteration the evaluation budget and the gtol test, then λ
+from the trust region, the trial point, the gain ratio, and, after an accepted step,
+the linearisation at the new point.  Fits that finished keep their values (every
+update is a ``torch.where`` on the ``done`` mask), so one fit never changes another,
+and the host decides when to stop by reading ``done`` (the driver, every few steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from .problem import BatchProblem, Linearization
+from .rule import BatchTrustRegion, RuleState, StepMeasures
+from .small_linalg import quadratic, solve_shifted
+
+__all__ = ["BatchState", "start", "step"]
+
+#: Status of a fit whose residuals, cost or Jacobian stopped being finite.
+NOT_FINITE = -1
+
+
+@dataclass
+class BatchState:
+    """Everything a batch of fits carries between attempts, one row per fit.
+
+    ``y`` ``(B, n)`` the point in the bounds' free variable with residuals ``f`` and
+    ``2·cost`` ``cost2``; the linearisation there (``A`` ``(n, n, B)``, ``g``, ``col``,
+    ``dcol``); this iteration's ``sqrt_d = D^½``, ``‖D^½x‖`` and ``‖D^-½g‖``; the rule's
+    state; scipy's ``status``, ``nfev``, ``nit``; and the iteration's bookkeeping
+    (``fresh``: an iteration starts at the next step; ``attempts`` and the evaluations
+    at and left at its start; ``last_try``, the last point evaluated).
+    """
+
+    y: Tensor
+    f: Tensor
+    cost2: Tensor
+    A: Tensor
+    g: Tensor
+    col: Tensor
+    dcol: Tensor
+    sqrt_d: Tensor
+    xs_norm: Tensor
+    gs_norm: Tensor
+    rule: RuleState
+    fresh: Tensor
+    done: Tensor
+    status: Tensor
+    nfev: Tensor
+    nit: Tensor
+    njev: Tensor
+    attempts: Tensor
+    nfev_start: Tensor
+    left_start: Tensor
+    last_try: Tensor
+
+    def take(self, index: Tensor) -> BatchState:
+        """The state of the fits at ``index`` (a 1-D index tensor)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "rule":
+                out[f.name] = value.take(index)
+            elif f.name == "A":
+                out[f.name] = value[..., index]
+            else:
+                out[f.name] = value[index]
+        return BatchState(**out)
+
+
+def _set(state: BatchState, lin: Linearization, where: Tensor | None = None) -> None:
+    """Store ``lin`` as the state's linearisation (where ``where``, if given)."""
+    if where is None:
+        state.A, state.g, state.col, state.dcol = lin.A, lin.g, lin.col, lin.dcol
+        return
+    w = where.unsqueeze(-1)
+    state.A = torch.where(where, lin.A, state.A)
+    state.g = torch.where(w, lin.g, state.g)
+    state.col = torch.where(w, lin.col, state.col)
+    state.dcol = torch.where(w, lin.dcol, state.dcol)
+
+
+def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
+    """Evaluate and linearise every fit at ``y0``; a fit not finite there is done (-1)."""
+    f = problem.residuals(y0)
+    cost2 = problem.objective.cost2(f, problem.counts)
+    lin = problem.linearize(y0, f, cost2)
+    b = y0.shape[0]
+    ints = torch.zeros(b, dtype=torch.int64, device=y0.device)
+    batch = torch.zeros_like(cost2)
+    state = BatchState(
+        y=y0,
+        f=f,
+        cost2=cost2,
+        A=lin.A,
+        g=lin.g,
+        col=lin.col,
+        dcol=lin.dcol,
+        sqrt_d=torch.ones_like(y0),
+        xs_norm=batch,
+        gs_norm=batch,
+        rule=RuleState.initial(damping, y0),
+        fresh=torch.ones(b, dtype=torch.bool, device=y0.device),
+        done=~lin.finite,
+        status=torch.where(lin.finite, 0, NOT_FINITE),
+        nfev=ints + 1,
+        nit=ints,
+        njev=ints + 1,
+        attempts=ints,
+        nfev_start=ints,
+        left_start=ints,
+        last_try=y0,
+    )
+    return state
+
+
+def step(
+    state: BatchState,
+    problem: BatchProblem,
+    rule: BatchTrustRegion,
+    *,
+    budget: int,
+    xtol_in_x: float = 0.0,
+) -> None:
+    """One attempt for every unfinished fit; ``state`` is updated in place, no host read.
+
+    ``budget``: evaluations allowed per fit (``max_nfev``).  ``xtol_in_x``: with
+    bounds, the xtol test on ``x`` itself (trf's), for the fits with a bound; the rule's
+    own xtol test is then off for them, as in least_squares.
+    """
+    transform = problem.transform
+    active = ~state.done
+    # -- the start of an iteration: the budget, then gtol, then D and the norms.
+    fresh = active & state.fresh
+    left = budget - state.nfev
+    spent = fresh & (left <= 0)
+    gtol = fresh & ~spent & rule.gtol_reached(state.g, state.col, state.cost2)
+    state.status = torch.where(spent, 0, torch.where(gtol, 1, state.status))
+    state.done = state.done | spent | gtol
+    fresh = fresh & ~spent & ~gtol
+    active = ~state.done
+    d = rule.diagonal(state.dcol, state.rule, fresh)
+    sqrt_d = torch.where(fresh.unsqueeze(-1), d.sqrt(), state.sqrt_d)
+    size = transform.start_size(state.y) if transform.bounded else state.y
+    size = torch.where(state.rule.started.unsqueeze(-1), state.y, size)
+    state.xs_norm = torch.where(
+        fresh, torch.linalg.vector_norm(sqrt_d * size, dim=-1), state.xs_norm
+    )
+    state.gs_norm = torch.where(
+        fresh, torch.linalg.vector_norm(state.g / sqrt_d, dim=-1), state.gs_norm
+    )
+    state.sqrt_d = sqrt_d
+    state.attempts = torch.where(fresh, 0, state.attempts)
+    state.nfev_start = torch.where(fresh, state.nfev, state.nfev_start)
+    state.left_start = torch.where(fresh, left, state.left_start)
+    state.fresh = state.fresh & ~active
+    # -- λ and the step, in the scaled variable z = D^½δ.
+    sd = sqrt_d.T
+    As = state.A / (sd.unsqueeze(0) * sd.unsqueeze(1))
+    gs = state.g / sqrt_d
+
+    def solve(lam: Tensor) -> tuple[Tensor, Tensor]:
+        z = -solve_shifted(As, lam, gs)
+        return z, torch.linalg.vector_norm(z, dim=-1)
+
+    _, z = rule.choose(state.rule, solve, state.xs_norm, state.gs_norm, active)
+    delta = z / sqrt_d
+    solved = torch.isfinite(delta).all(-1)
+    state.attempts = state.attempts + active.to(state.attempts.dtype)
+    go = active & solved
+    delta = torch.where(go.unsqueeze(-1), delta, torch.zeros_like(delta))
+    y_try = state.y + delta
+    f_try = problem.residuals(y_try)
+    c_try = problem.objective.cost2(f_try, problem.counts)
+    # least_squares evaluates a point once: a trial equal to the last one tried (the
+    # same Gauss-Newton step after a rejection) or to the current point costs no call.
+    repeat = (y_try == state.last_try).all(-1) | (delta == 0).all(-1)
+    state.last_try = torch.where(go.unsqueeze(-1), y_try, state.last_try)
+    state.nfev = state.nfev + (go & ~repeat).to(state.nfev.dtype)
+    evaluated = go & torch.isfinite(c_try)
+    slope = (state.g * delta).sum(-1)
+    measures = StepMeasures(
+        scaled_norm=torch.linalg.vector_norm(sqrt_d * delta, dim=-1),
+        slope=slope,
+        actual=state.cost2 - c_try,
+        pred=-2.0 * slope - quadratic(state.A, delta),
+        loss0=state.cost2,
+        loss1=c_try,
+        step_norm=torch.linalg.vector_norm(delta, dim=-1),
+        xnorm_before=torch.linalg.vector_norm(state.y, dim=-1),
+        xnorm_after=torch.linalg.vector_norm(y_try, dim=-1),
+    )
+    xtol_off = None
+    if xtol_in_x > 0:
+        xtol_off = (transform.lo | transform.hi).any(-1)
+    accepted, conv = rule.judge(state.rule, measures, evaluated, active, xtol_off=xtol_off)
+    # -- how the attempt ends the iteration, if it does.
+    rejected = active & ~accepted
+    stop_conv = rejected & (conv > 0)
+    going = rejected & ~stop_conv
+    capped = going & (state.rule.damping > rule.damping_max)
+    state.rule.damping = torch.where(capped, rule.damping_max, state.rule.damping)
+    exhausted = going & ~capped & (state.attempts >= state.left_start)
+    ended = capped | exhausted
+    # λ at its maximum with evaluations left: steps are as short as arithmetic allows.
+    end_status = torch.where(state.nfev - state.nfev_start < state.left_start, 3, 0)
+    # -- an accepted step moves, and is linearised.
+    y_old = state.y
+    acc = accepted.unsqueeze(-1)
+    state.y = torch.where(acc, y_try, state.y)
+    state.f = torch.where(acc, f_try, state.f)
+    state.cost2 = torch.where(accepted, c_try, state.cost2)
+    if xtol_off is not None:
+        unit = 1.0 if transform.scale is None else transform.scale
+        x_new = transform.to_x(state.y) / unit
+        dx = torch.linalg.vector_norm(x_new - transform.to_x(y_old) / unit, dim=-1)
+        near = dx <= xtol_in_x * (xtol_in_x + torch.linalg.vector_norm(x_new, dim=-1))
+        hit = accepted & xtol_off & ((conv == 0) | (conv == 2)) & near
+        conv = torch.where(hit, torch.where(conv == 2, 4, 3), conv)
+    lin = problem.linearize(state.y, state.f, state.cost2)
+    _set(state, lin, accepted)
+    bad = accepted & ~lin.finite
+    status_acc = torch.where(bad, NOT_FINITE, conv)
+    state.status = torch.where(
+        stop_conv,
+        conv,
+        torch.where(ended, end_status, torch.where(accepted, status_acc, state.status)),
+    )
+    state.done = state.done | stop_conv | ended | (accepted & (status_acc != 0))
+    counted = (stop_conv | ended | accepted).to(state.nit.dtype)
+    state.nit = state.nit + counted
+    state.njev = state.njev + accepted.to(state.njev.dtype)
+    state.fresh = state.fresh | (accepted & ~state.done)

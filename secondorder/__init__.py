@@ -5,7 +5,8 @@ One package per family, sharing one distributed layer and one training loop:
 * :mod:`secondorder.lm`: :class:`LevenbergMarquardt`, which trains models by solving the
   damped normal equations with an explicit Jacobian;
 * :mod:`secondorder.fitting`: :func:`least_squares` and :func:`curve_fit`, its
-  functional counterparts for fitting the parameters of a model function;
+  functional counterparts for fitting the parameters of a model function, and
+  :func:`curve_fit_batch`/:func:`least_squares_batch` for many small fits at once;
 * :mod:`secondorder.kfac`: :class:`KFAC`, a Kronecker-factored preconditioner with
   KAISA's distribution strategies, and :class:`KFACOptimizer` (K-FAC + SGD);
 * :mod:`secondorder.shampoo`: :class:`Shampoo`, Distributed Shampoo and its
@@ -23,8 +24,10 @@ from .fitting import (
     correlation,
     covariance,
     curve_fit,
+    curve_fit_batch,
     fit_report,
     least_squares,
+    least_squares_batch,
     standard_errors,
 )
 from .kfac import KFAC, KFACOptimizer
@@ -98,6 +101,7 @@ __all__ = [
     "correlation",
     "covariance",
     "curve_fit",
+    "curve_fit_batch",
     "damping",
     "distributed",
     "fit",
@@ -106,6 +110,7 @@ __all__ = [
     "jacobian",
     "kfac",
     "least_squares",
+    "least_squares_batch",
     "linalg",
     "lm",
     "planner",

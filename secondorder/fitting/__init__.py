@@ -7,9 +7,10 @@ Modules: :mod:`.least_squares` (the driver: check, build, run, report) over
 :mod:`.functions` (the user's fun and jac as tensors), :mod:`.losses` (robust ρ),
 :mod:`.bounds` (the change of variables), :mod:`.problem` (what the engine solves) and
 :mod:`.result`; :mod:`.curve_fit` on top of it; :mod:`.report` for covariances and
-fit reports.
+fit reports; :mod:`.batch` runs many small fits at once.
 """
 
+from .batch import curve_fit_batch, least_squares_batch
 from .curve_fit import curve_fit
 from .least_squares import least_squares
 from .report import (
@@ -29,7 +30,9 @@ __all__ = [
     "correlation",
     "covariance",
     "curve_fit",
+    "curve_fit_batch",
     "fit_report",
     "least_squares",
+    "least_squares_batch",
     "standard_errors",
 ]

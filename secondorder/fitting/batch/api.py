@@ -170,7 +170,7 @@ def curve_fit_batch(
                 "squares; pass loss='linear' or estimator='lse'"
             )
     inv_sigma = _inverse_sigma(sigma, b, m, dt, dev)
-    model = _model(f, x, per_fit, n)
+    model = _model(f, n, m)
     rows: list[Tensor] = [y]
     if inv_sigma is not None and inv_sigma.shape[0] == b and inv_sigma.ndim == 2:
         rows.append(inv_sigma)
@@ -672,8 +672,8 @@ def _x_scale(
     return s.clone()
 
 
-def _model(f: Callable[..., Any], x: Any, per_fit: bool, n: int) -> Callable[[Tensor, Any], Tensor]:
-    """``(q (B, n), xs) -> f(xs, *columns)``, each column ``(B, 1)``."""
+def _model(f: Callable[..., Any], n: int, m: int) -> Callable[[Tensor, Any], Tensor]:
+    """``(q (B, n), xs) -> f(xs, *columns)``, each column ``(B, 1)``, as ``(B, m)``."""
 
     def call(q: Tensor, xs: Any) -> Tensor:
         out = f(xs, *[q[:, j : j + 1] for j in range(n)])
@@ -681,6 +681,13 @@ def _model(f: Callable[..., Any], x: Any, per_fit: bool, n: int) -> Callable[[Te
             raise TypeError(
                 f"f must return a tensor (write it with torch operations), got {type(out).__name__}"
             )
-        return out
+        want = (q.shape[0], m)
+        try:
+            return torch.broadcast_to(out, want)
+        except RuntimeError:
+            raise ValueError(
+                f"f returned shape {tuple(out.shape)} for {q.shape[0]} fits; expected (B, m) = "
+                f"{want}, or a shape that broadcasts to it (parameters come as (B, 1) columns)"
+            ) from None
 
     return call

@@ -39,7 +39,9 @@ def batch_covariance(J: Tensor, cost2: Tensor | None, *, eps: float) -> Tensor:
     Js = J64 / scale.unsqueeze(1)
     C = Js.mT @ Js
     L, info = torch.linalg.cholesky_ex(C)
-    inv = torch.cholesky_inverse(L)
+    # A failed factorisation takes the slow path; I stands in for its L meanwhile.
+    eye = torch.eye(n, dtype=torch.float64, device=J.device)
+    inv = torch.cholesky_inverse(torch.where((info == 0)[:, None, None], L, eye))
     bound = n * torch.linalg.vector_norm(inv, dim=(-2, -1))
     fast = (
         (info == 0)

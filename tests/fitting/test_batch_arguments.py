@@ -1,0 +1,104 @@
+"""Every bad argument of curve_fit_batch and least_squares_batch is refused by name."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import secondorder as so
+
+F64 = torch.float64
+T = torch.linspace(0, 3, 12, dtype=F64)
+Y = 2.0 * torch.exp(-T) + torch.zeros(5, 1, dtype=F64)
+
+
+def decay(t, a, k):
+    return a * torch.exp(-k * t)
+
+
+CURVE_FIT_CASES = [
+    ({"f": 3}, TypeError, "f must be callable"),
+    ({"estimator": "chi2"}, ValueError, r"Unknown estimator='chi2'"),
+    ({"absolute_sigma": "yes"}, TypeError, "absolute_sigma must be True or False"),
+    ({"ydata": Y[0]}, ValueError, r"ydata must be 2-D \(B, m\)"),
+    ({"ydata": Y.to(torch.complex128)}, ValueError, "ydata must be real"),
+    ({"ydata": [["a"]]}, TypeError, "ydata must be an array of numbers"),
+    ({"p0": torch.ones(3, 2)}, ValueError, r"p0 must be \(n,\) or \(B, n\) = \(5, 2\)"),
+    ({"p0": torch.ones(1, 1, 2)}, ValueError, r"p0 must be \(n,\) or \(B, n\) with n > 0"),
+    ({"f": lambda t: t, "p0": None}, ValueError, "takes no parameters after x"),
+    ({"bounds": (0.0,)}, ValueError, r"bounds must be a pair \(lb, ub\)"),
+    ({"bounds": (1.0, 1.0)}, ValueError, "strictly less than each upper bound"),
+    ({"bounds": ([0.0, 0.0, 0.0], 9.0)}, ValueError, r"bounds lb must be a scalar, \(2,\)"),
+    ({"bounds": (0.0, [9.0, math.nan])}, ValueError, "bounds ub contains NaN"),
+    ({"bounds": (0.0, [9.0, 0.5])}, ValueError, "p0 is outside the bounds for fit 0"),
+    ({"sigma": torch.ones(3)}, ValueError, r"sigma must be a scalar, \(12,\) or \(5, 12\)"),
+    ({"sigma": 0.0}, ValueError, r"sigma must be > 0 everywhere"),
+    ({"estimator": "mle", "sigma": 1.0}, ValueError, "sigma=1.0 with estimator='mle'"),
+    ({"estimator": "mle", "loss": "huber"}, ValueError, "loss='huber' with estimator='mle'"),
+    ({"loss": "l2"}, ValueError, r"Unknown loss='l2'; valid choices are"),
+    ({"loss": lambda z: z}, TypeError, "loss must be one of"),
+    ({"f_scale": 0.0}, ValueError, r"Invalid f_scale=0.0"),
+    ({"ftol": -1.0}, ValueError, r"Invalid ftol=-1.0"),
+    ({"ftol": None, "xtol": None, "gtol": None}, ValueError, "At least one of the tolerances"),
+    ({"max_nfev": 0}, ValueError, r"Invalid max_nfev=0"),
+    ({"check_every": 0}, ValueError, r"Invalid check_every=0"),
+    ({"chunk_size": 0}, ValueError, r"Invalid chunk_size=0"),
+    ({"memory_budget": -1}, ValueError, r"Invalid memory_budget=-1"),
+    ({"progress": "yes"}, TypeError, "progress must be None, True/False or a callable"),
+    ({"x_scale": "auto"}, ValueError, r"Invalid x_scale='auto'"),
+    ({"x_scale": [1.0, -1.0]}, ValueError, r"Invalid x_scale=\[1.0, -1.0\]"),
+    ({"x_scale": [1.0, 1.0, 1.0]}, ValueError, r"x_scale must be 'jac', a scalar, \(2,\)"),
+    ({"dtype": torch.float16}, ValueError, r"Invalid dtype=torch.float16"),
+    ({"device": "nowhere"}, ValueError, r"Invalid device='nowhere'"),
+    ({"xdata_per_fit": True}, ValueError, r"xdata_per_fit=True needs xdata of shape"),
+    ({"xdata_per_fit": "yes"}, TypeError, "xdata_per_fit must be None, True or False"),
+    ({"jac": "2-point"}, TypeError, "jac must be None or a callable"),
+    ({"f": lambda t, a, k: np.ones(12)}, TypeError, "f must return a tensor"),
+    ({"f": lambda t, a, k: a * t[:4]}, ValueError, r"f returned shape \(5, 4\) for 5 fits"),
+    ({"jac": lambda t, a, k: torch.ones(5, 12)}, ValueError, r"jac must return a tensor of shape"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "match"), CURVE_FIT_CASES)
+def test_curve_fit_batch_refuses(change, error, match):
+    call = {"f": decay, "xdata": T, "ydata": Y, "p0": [1.0, 1.0], **change}
+    with pytest.raises(error, match=match):
+        so.curve_fit_batch(**call)
+
+
+def _fun(x, rows):
+    return x[:, :1] * torch.exp(-x[:, 1:] * T) - rows
+
+
+X0 = torch.ones(5, 2, dtype=F64)
+
+LEAST_SQUARES_CASES = [
+    ({"fun": None}, TypeError, "fun must be callable"),
+    ({"x0": torch.ones(2)}, ValueError, r"x0 must be 2-D \(B, n\)"),
+    ({"args": Y}, TypeError, "args must be a tuple of per-fit tensors"),
+    ({"args": (Y[:3],)}, ValueError, r"args\[0\] must be a tensor with one row per fit"),
+    ({"kwargs": [1]}, TypeError, "kwargs must be a dict of shared keyword arguments"),
+    ({"jac": 1}, TypeError, "jac must be None or a callable"),
+    ({"fun": lambda x, rows: rows[:, 0]}, ValueError, r"fun must return \(B, m\) residuals"),
+    ({"fun": lambda x, rows: [1.0]}, TypeError, "fun must return a tensor"),
+    ({"loss": "l1"}, ValueError, r"Unknown loss='l1'"),
+    ({"bounds": (2.0, 3.0)}, ValueError, "p0 is outside the bounds for fit 0"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "match"), LEAST_SQUARES_CASES)
+def test_least_squares_batch_refuses(change, error, match):
+    call = {"fun": _fun, "x0": X0, "args": (Y,), **change}
+    with pytest.raises(error, match=match):
+        so.least_squares_batch(**call)
+
+
+def test_the_valid_call_of_these_cases_runs():
+    popt, _, info = so.curve_fit_batch(decay, T, Y, p0=[1.0, 1.0])
+    torch.testing.assert_close(popt, torch.tensor([[2.0, 1.0]], dtype=F64).expand(5, 2))
+    res = so.least_squares_batch(_fun, X0, args=(Y,))
+    torch.testing.assert_close(res.x, popt)
+    assert bool(info.success.all()) and bool(res.success.all())

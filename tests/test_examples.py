@@ -54,6 +54,7 @@ TESTED = {
     "curve_fit_report.py": "test_curve_fit_report",
     "cupylma_migration.py": "test_cupylma_migration",
     "distributed_sinc.py": "test_distributed_sinc_single_process",
+    "fluorescence_lifetime.py": "test_fluorescence_lifetime",
 }
 
 
@@ -98,6 +99,13 @@ def test_cupylma_migration(tmp_path):
     out = run("cupylma_migration.py", cwd=tmp_path)
     mse = float(re.search(r"final MSE (\S+)", out).group(1))
     assert mse < 5e-3
+
+
+def test_fluorescence_lifetime(tmp_path):
+    out = run("fluorescence_lifetime.py", cwd=tmp_path)
+    assert float(re.search(r"success (\S+);", out).group(1)) > 0.99
+    assert float(re.search(r"median \|τ error\| / τ (\S+);", out).group(1)) < 0.1
+    assert 0.7 < float(re.search(r"/ stderr (\S+) ", out).group(1)) < 1.3
 
 
 def test_distributed_sinc_single_process(tmp_path):

@@ -351,3 +351,50 @@ def test_an_empty_batch():
         decay, torch.zeros(4, dtype=F64), torch.zeros(0, 4, dtype=F64), p0=[1.0, 1.0, 0.0]
     )
     assert popt.shape == (0, 3) and pcov.shape == (0, 3, 3) and info.message == []
+
+
+def test_the_rule_takes_one_fit_as_0d_state_or_a_batch_of_one():
+    """The decision object is shape-agnostic: a 0-d state gives the batch-of-one numbers."""
+    from secondorder.fitting.batch.rule import BatchTrustRegion, RuleState, StepMeasures
+    from secondorder.fitting.batch.small_linalg import solve_shifted
+
+    gen = torch.Generator().manual_seed(11)
+    J = torch.randn(12, 3, generator=gen, dtype=F64)
+    g = torch.randn(3, generator=gen, dtype=F64)
+    rule = BatchTrustRegion(ftol=1e-8, xtol=1e-8, gtol=1e-8)
+    outs = []
+    for batch in ((), (1,)):
+        A = (J.T @ J).reshape(3, 3, *batch)
+        grad = g.reshape(*batch, 3)
+        x = torch.ones(*batch, 3, dtype=F64)
+        state = RuleState.initial(1e-3, x)
+        active = torch.ones(batch, dtype=torch.bool)
+        d = rule.diagonal(torch.diagonal(A, dim1=0, dim2=1), state, active)
+        sd = d.sqrt()
+        As = A / (torch.movedim(sd, -1, 0).unsqueeze(0) * torch.movedim(sd, -1, 0).unsqueeze(1))
+
+        def solve(lam, As=As, gs=grad / sd):
+            z = -solve_shifted(As, lam, gs)
+            return z, torch.linalg.vector_norm(z, dim=-1)
+
+        xs = torch.linalg.vector_norm(sd * x, dim=-1) * 1e-5  # a small region: λ > 0
+        gs_norm = torch.linalg.vector_norm(grad / sd, dim=-1)
+        lam, z = rule.choose(state, solve, xs, gs_norm, active)
+        delta = z / sd
+        one = torch.ones(batch, dtype=F64)
+        step = StepMeasures(
+            scaled_norm=torch.linalg.vector_norm(z, dim=-1),
+            slope=(grad * delta).sum(-1),
+            actual=0.5 * one,
+            pred=one,
+            loss0=10 * one,
+            loss1=9.5 * one,
+            step_norm=torch.linalg.vector_norm(delta, dim=-1),
+            xnorm_before=one,
+            xnorm_after=one,
+        )
+        accepted, status = rule.judge(state, step, active, active)
+        outs.append([lam, z, accepted, status, state.radius, state.damping])
+    assert float(outs[0][0]) > 0  # the region was filled by a λ > 0, not Gauss-Newton
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert a.shape == b.shape[1:] and torch.equal(a, b[0])

@@ -5,8 +5,10 @@ memory available (:func:`chunk_size`), call :func:`~.engine.step` ``check_every`
 times, read the ``done`` mask once, and when enough fits have finished, write their
 results out and drop them from the working set (*compaction*), so a few slow fits
 do not keep the finished ones computing.  Compaction moves the unfinished fits within
-the working tensors; every operation of a step is per fit, so a fit's numbers do not
-depend on where it sits (and never on another fit's values).
+the working tensors.  Every operation of a step is per fit, so no fit ever reads
+another's values; a fit that moves is computed by the same operations, though a few
+CPU kernels (``pow``, for one) round a value's last bit differently at another
+position in a tensor.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The problems, methods, phase timings and the iteration-time ratios against SGD l
 :mod:`benchmarks.kfac_methods`; the 2-process scaling report in
 :mod:`benchmarks.kfac_scaling`.  This script runs the suite's K-FAC family::
 
-    PYTHONPATH=. python benchmarks/kfac_bench.py --quick --threads 1
+    python -m benchmarks.kfac_bench --quick --threads 1
 
 which is ``python -m benchmarks.bench --family kfac`` with the same flags (``--quick``,
 ``--tiny``, ``--threads``, ``--problems``, ``--methods``, ``--out``, ``--json``,

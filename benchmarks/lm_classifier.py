@@ -1,6 +1,6 @@
 """LM on a classifier: torch-levenberg-marquardt's MNIST CNN example, on digits at 28x28.
 
-``PYTHONPATH=. python -m benchmarks.lm_classifier [--quick] [--threads 1] [--trace]``
+``python -m benchmarks.lm_classifier [--quick] [--threads 1] [--trace]``
 
 The network is the one of torch-levenberg-marquardt's ``examples/mnist_classification.py``
 (five ELU convolutions, 4x4 stride 2, 4x4 stride 2, then three 2x2, and a

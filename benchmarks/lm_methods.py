@@ -68,9 +68,9 @@ __all__ = [
     "comparisons",
     "family",
     "flop_scaling",
-    "issue17",
     "lm_problem",
     "methods_for",
+    "peer_targets",
     "run_scipy",
     "run_tlm",
     "scaling_lines",
@@ -437,7 +437,7 @@ def scaling_lines(results: Sequence[ProblemResult]) -> list[str]:
     return [*lines, ""]
 
 
-#: The problems whose time per step issue 17 compares with torch-levenberg-marquardt.
+#: The problems whose time per step is compared with torch-levenberg-marquardt side by side.
 SIDE_BY_SIDE_PROBLEMS = ("sinc", "wide_dual", "digits_cnn")
 #: Steps of each optimizer in the side-by-side run (fewer if the problem's budget is).
 SIDE_BY_SIDE_STEPS = 60
@@ -496,8 +496,8 @@ def side_by_side_lines(pr: ProblemResult) -> list[str]:
     ]
 
 
-#: Issue 17's targets: (problem, what is measured, target, whether larger is better).
-ISSUE17_TARGETS: tuple[tuple[str, str, float, bool], ...] = (
+#: The LM targets against the peer: (problem, what is measured, target, larger is better).
+PEER_TARGETS: tuple[tuple[str, str, float, bool], ...] = (
     ("sinc", "step_speedup_vs_tlm", 2.5, True),
     ("sinc", "step_speedup_side_by_side", 2.5, True),
     ("sinc", "time_to_target_s", 3.0, False),
@@ -508,8 +508,8 @@ ISSUE17_TARGETS: tuple[tuple[str, str, float, bool], ...] = (
 )
 
 
-def issue17(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
-    """Issue 17's figures from this run: the defaults' ratios against their targets.
+def peer_targets(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
+    """The defaults' ratios against torch-levenberg-marquardt in this run, and their targets.
 
     ``step_speedup_vs_tlm`` is torch-levenberg-marquardt's median s/step over
     secondorder LM's with its defaults (both in this process, on the same data);
@@ -520,7 +520,7 @@ def issue17(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
     """
     by_key = {pr.problem.key: pr for pr in results}
     out = []
-    for key, what, target, larger in ISSUE17_TARGETS:
+    for key, what, target, larger in PEER_TARGETS:
         pr = by_key.get(key)
         value: float | None
         if what == "step_speedup_side_by_side":
@@ -543,16 +543,16 @@ def issue17(results: Sequence[ProblemResult]) -> list[dict[str, Any]]:
     return out
 
 
-def issue17_lines(results: Sequence[ProblemResult]) -> list[str]:
-    """The markdown of :func:`issue17`, with the machine, threads, load and date."""
-    rows = issue17(results)
+def peer_targets_lines(results: Sequence[ProblemResult]) -> list[str]:
+    """The markdown of :func:`peer_targets`, with the machine, threads, load and date."""
+    rows = peer_targets(results)
     if not any(r["ran"] for r in rows):
         return []
     now = datetime.datetime.now(datetime.timezone.utc)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     host = where(machine(), results[0].problem.device)
     lines = [
-        "## Issue 17: secondorder LM (defaults) against torch-levenberg-marquardt",
+        "## Targets: secondorder LM (defaults) against torch-levenberg-marquardt",
         "",
         f"{now:%Y-%m-%d %H:%M} UTC on {host}, {torch.get_num_threads()} torch "
         f"threads, load average {load:.2f} at the end of the run.",
@@ -582,7 +582,7 @@ def issue17_lines(results: Sequence[ProblemResult]) -> list[str]:
     lines += [
         "",
         "Small problems (NIST StRD, `least_squares` against scipy's MINPACK in one "
-        "process): `python -m benchmarks.nist_time`; figures in benchmarks/NOTES.md, "
+        "process): `python -m benchmarks.nist_time`; figures in benchmarks/notes/NOTES.md, "
         "'Small problems'.",
     ]
     return [*lines, ""]
@@ -625,7 +625,7 @@ def family(floor_reps: int = 5) -> Family:
         sections=(section, alternating),
         closings=(
             Closing("flop_scaling", flop_scaling, scaling_lines),
-            Closing("issue17", issue17, issue17_lines),
+            Closing("peer_targets", peer_targets, peer_targets_lines),
         ),
         versions=versions,
     )

@@ -17,9 +17,9 @@ which scipy's ``lm`` does not (its trf column is left out).
 
 Not a timed benchmark: evaluations and digits only.  Run it with::
 
-    PYTHONPATH=$PWD python -m benchmarks.nist_evals [--max-nfev 20000] [--names MGH10 BoxBOD]
-    PYTHONPATH=$PWD python -m benchmarks.nist_evals --damping-rule nielsen --damping-matrix more
-    PYTHONPATH=$PWD python -m benchmarks.nist_evals --fd
+    python -m benchmarks.nist_evals [--max-nfev 20000] [--names MGH10 BoxBOD]
+    python -m benchmarks.nist_evals --damping-rule nielsen --damping-matrix more
+    python -m benchmarks.nist_evals --fd
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wall time on NIST StRD: secondorder.least_squares against scipy's MINPACK (issue 17).
+"""Wall time on NIST StRD: secondorder.least_squares against scipy's MINPACK.
 
 Both solvers run in this process on the 27 StRD problems from both starts (float64,
 ``ftol = xtol = gtol = 1e-15``, ``max_nfev = 20000``, ``method="lm"`` on both sides) in
@@ -12,7 +12,7 @@ two settings:
   reverse mode (``"auto"`` here) ours evaluates each trial point by ``torch.func.vjp``
   and takes an accepted point's J from that forward pass, which two separate
   callables cannot share: its Jacobians then cost less than scipy's callable.
-  ``--jac fwd`` is the setting issue 17 first measured (``jacfwd`` on both sides).
+  ``--jac fwd`` is the setting first measured (``jacfwd`` on both sides).
 * **(b) finite differences.**  NumPy residuals, no ``jac``: scipy's MINPACK (``lmdif``)
   differences in Fortran, ours with its ``"2-point"`` scheme (MINPACK's step under
   ``method="lm"``).
@@ -27,7 +27,7 @@ the ratio is ours over scipy.  Digits are NIST's log relative error (LRE) of the
 parameters against the certified values (capped at 11); a start *passes* at LRE ≥ 6.
 Run with::
 
-    PYTHONPATH=$PWD python -m benchmarks.nist_time [--quick] [--rounds 5] [--threads 1]
+    python -m benchmarks.nist_time [--quick] [--rounds 5] [--threads 1]
         [--names Misra1a MGH10] [--table] [--jac auto|fwd|rev] [--settings exact fd]
         [--base DIR] [--clock wall|process]
 
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], dict[tuple[
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "process" else time.perf_counter
     starts = [(name, s) for name in names for s in (1, 2)]
-    cmd = "PYTHONPATH=$PWD python -m benchmarks.nist_time " + " ".join(sys.argv[1:])
+    cmd = "python -m benchmarks.nist_time " + " ".join(sys.argv[1:])
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"# {cmd.strip()}")
     print(

@@ -1,6 +1,6 @@
 """Count the cases behind the README's Reliability section, by outcome.
 
-    PYTHONPATH=$PWD python -m benchmarks.reliability [--slow]
+    python -m benchmarks.reliability [--slow]
 
 Runs pytest on the reliability test files below (without the ``slow`` ones unless
 ``--slow``) with a small plugin that notes, for every test case, how it judges the

@@ -12,7 +12,7 @@ thresholds start small (128 KiB and 256 KiB) and rise only after a mapped block
 is freed: the mmap threshold to that block's size, up to 32 MiB, the trim
 threshold to twice it (``man 3 mallopt``, "dynamic mmap threshold").  Until then
 every page of those temporaries is faulted in again on each step
-(``python -m benchmarks.host_memory`` counts the faults and times the steps).
+(``python -m benchmarks.experiments.host_memory`` counts the faults and times the steps).
 
 :func:`raise_allocator_thresholds` frees one untouched block just under 32 MiB,
 once per process, which raises both thresholds to that dynamic maximum, the state

@@ -9,7 +9,7 @@ column-major buffer and hands that to LAPACK.  When a column of that buffer is a
 multiple of 1 KiB long (float64 ``n = 128k``, float32 ``n = 256k``: the batch sizes
 people choose) the copy and LAPACK's blocked kernels keep evicting their own cache
 lines; on the machine it was measured on (MKL), padding such sizes by 16 made the
-factorisation up to twice as fast (``python -m benchmarks.lapack_sizes`` measures
+factorisation up to twice as fast (``python -m benchmarks.experiments.lapack_sizes`` measures
 yours).
 
 ``blockdiag(M, I)`` has the Cholesky factor ``blockdiag(L, I)`` and the inverse

@@ -2,9 +2,9 @@
 
 Each switch here changes something for the whole process (the C library's allocator,
 how every family factors on the CPU), so none is turned on by an optimizer: call
-them once, at the start of a script, where they help.  ``python -m
-benchmarks.host_memory`` and ``python -m benchmarks.lapack_sizes`` measure what they
-gain on a given machine.
+them once, at the start of a script, where they help.  The benchmark experiments
+``host_memory`` and ``lapack_sizes`` (``python -m benchmarks.experiments.<name>``)
+measure what they gain on a given machine.
 
 * :func:`raise_allocator_thresholds`: on glibc, keep a CPU step's temporaries of a
   few MB mapped between steps instead of faulting their pages in again every step

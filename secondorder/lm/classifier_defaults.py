@@ -12,13 +12,13 @@ attempts, and λ then falls at most 3x per step.  The multiplicative rule divide
 LM takes near Gauss-Newton steps that the model would call too optimistic but that
 still reduce the loss a lot: the digits CNN of ``benchmarks/lm_classifier.py``
 reaches a train cross-entropy near zero in 45 steps where Nielsen's rule leaves 0.35
-after 60 (``benchmarks/CLASSIFIER.md``).
+after 60 (``benchmarks/notes/CLASSIFIER.md``).
 
 Classifiers also get ``D = I`` in place of Marquardt's ``diag(JᵀJ)``.  On mini-batches
 Marquardt's scaling damps each weight by its column's norm in *this* batch, and the
 weights a batch barely touches (inputs that are zero there, saturated units) get
 almost no damping and long steps that the next batches pay for: on the bench's digits
-problems (60 steps, 4 initialisations, ``benchmarks/NOTES.md``) test accuracy was
+problems (60 steps, 4 initialisations, ``benchmarks/notes/NOTES.md``) test accuracy was
 0.40-0.68 (MLP), 0.75-0.93 (CNN) and 0.84-0.90 (wide MLP) with Marquardt's scaling
 and 0.96-0.98 on all three with ``D = I``, at a tenth of the training loss.  With
 ``D = I`` the dual matrix of a model of ``nn.Linear`` layers also comes from the

@@ -83,7 +83,7 @@ class LMConfig:
             parameter dtype (see :mod:`secondorder.lm.precision`).  A float64
             product costs more than a float32 one; a float32 matrix throughout
             cannot take the small-λ steps that need its lost digits
-            (``benchmarks/precision_seeds.py`` compares the three).
+            (``benchmarks/experiments/precision_seeds.py`` compares the three).
             ``torch.float32`` or ``torch.float64`` fix the dtype; ``None`` uses the
             parameters' dtype.
         gram_auto_tol: under ``gram_dtype="auto"``, the largest relative error of

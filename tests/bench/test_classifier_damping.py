@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import classifier_damping
+from benchmarks.experiments import classifier_damping
 from benchmarks.lm_methods import lm_method
 from benchmarks.lm_problems import build_problems
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import profile_cuda, sinc_spread
+from benchmarks import profile_cuda
+from benchmarks.experiments import sinc_spread
 
 
 def test_sinc_spread_row_reports_a_start_that_has_not_reached_the_target() -> None:

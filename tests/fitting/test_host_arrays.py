@@ -1,4 +1,4 @@
-"""A system formed on the host carries its NumPy arrays (issue 17): the same numbers.
+"""A system formed on the host carries its NumPy arrays: the same numbers.
 
 * The scalars of a host system (``NormalEquations.host``) equal the torch expressions
   of :meth:`NormalEquations.scalars` (finite flag, ``Σr²``, MINPACK's cosine to its

@@ -1,4 +1,4 @@
-"""A NumPy fit of a few parameters kept in arrays, LAPACK without its wrappers (issue 17).
+"""A NumPy fit of a few parameters kept in arrays, LAPACK without its wrappers.
 
 * :class:`~secondorder.fitting.host.HostQRSolver` factors a host system with NumPy's
   LAPACK gufuncs called directly: its steps and search norms are bitwise those of

@@ -1,6 +1,6 @@
 """scipy's keywords of least_squares and curve_fit, each against scipy on the same problem.
 
-Issue 16 ("scipy users") and the fitting errors of issue 15 item 10: ``method``,
+What scipy users pass, and the fitting errors: ``method``,
 ``x_scale``, ``verbose``, ``diff_step``, a callable ``loss``, ``callback``,
 ``jac_sparsity``, ``tr_solver``/``tr_options``, the result as a dict, ``curve_fit``'s
 ``nan_policy``, scalar ``sigma``/``ydata``, ``infodict``'s MINPACK fields, the default

@@ -20,7 +20,7 @@ test                                   why it does not apply
                                        works with it (scipy refuses)
 ``*::test_fun_wrong_dimensions``       residuals of any shape are flattened (documented)
 ``*::test_full_result_single_fev``,    ``nfev`` counts every call of ``fun``, finite-
-``*::test_nfev_options``,              difference columns included (issue 15 item 11);
+``*::test_nfev_options``,              difference columns included;
 ``*::test_numerical_jac``,             scipy 1.17 leaves them out, and ``max_nfev``
 ``*::test_bvp``                        budgets them the same way
 ``*::test_options``,                   assert ``x == 0`` to 1e-15 or bitwise on
@@ -32,7 +32,7 @@ test                                   why it does not apply
 ``test_gh_18793_and_19351``            ``gtol`` is MINPACK's cosine test (documented),
                                        which never fires with one residual; xtol stops it
 ``TestCurveFit::test_pcov``            a parameter the model ignores gets an infinite
-                                       variance alone (issue 15 item 6); scipy's "lm"
+                                       variance alone; scipy's "lm"
                                        makes the whole ``pcov`` infinite
 ``TestCurveFit::test_gh13670``         one call of ``f`` with tensors decides whether it
                                        is torch; a NumPy ``f`` is then called again at
@@ -112,7 +112,7 @@ WORKERS = "workers is refused: fun is called serially"
 OPERATOR = "a LinearOperator Jacobian is refused (the solvers need J's entries)"
 SPARSE = "a scipy.sparse Jacobian is made dense (res.jac dense, tr_solver='exact' works)"
 FLATTEN = "residuals of any shape are flattened (documented)"
-NFEV = "nfev counts finite-difference calls (issue 15 item 11); scipy 1.17 leaves them out"
+NFEV = "nfev counts finite-difference calls; scipy 1.17 leaves them out"
 EXACT = "asserts x == 0 exactly on fun_trivial: only trf's first trust radius lands there"
 COSINE = "gtol is MINPACK's cosine test, which never fires with one residual"
 SLOW_LINEAR = "fun_trivial has J = 0 at its minimum: LM converges linearly (10 Jacobians)"
@@ -159,7 +159,7 @@ class TestLM(_Common, tls.TestLM):
 
 
 class TestCurveFit(tmp.TestCurveFit):
-    test_pcov = _skip("an ignored parameter gets infinite variance alone (issue 15 item 6)")
+    test_pcov = _skip("an ignored parameter gets infinite variance alone")
     test_gh13670 = _skip("one call with tensors decides torch or NumPy; then f is called at p0")
     test_gh4555b = _xfail(
         tmp.TestCurveFit.test_gh4555b, "pcov within 1.6e-6 of scipy's reference, vs 2e-7"

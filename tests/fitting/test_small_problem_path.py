@@ -1,4 +1,4 @@
-"""The small-problem path of least_squares (issue 17): the same answers as the device path.
+"""The small-problem path of least_squares: the same answers as the device path.
 
 * ``QRSolver(host=True)`` factors a few float64 CPU columns in NumPy; its steps equal
   the torch QR solver's (the reference: MINPACK's least squares on ``[R0; √λD^½]``)

@@ -139,7 +139,7 @@ def test_kfac_needs_fewer_cg_iterations_than_jacobi_under_identity_damping() -> 
     # Identity damping (Levenberg's): the Kronecker blocks capture the couplings within
     # a layer that a diagonal cannot.  Under Marquardt damping Jacobi matches the
     # diagonal of JᵀJ + λD exactly and wins on small problems such as this one; the
-    # numbers are in benchmarks/CG_KFAC.md.
+    # numbers are in benchmarks/notes/CG_KFAC.md.
     x, y = _data()
     counts = {}
     for pc in ("jacobi", "kfac"):

@@ -1,4 +1,4 @@
-"""Hardening (issue 6): numerical faults, rank deficiency, checkpoints, interruptions.
+"""Hardening: numerical faults, rank deficiency, checkpoints, interruptions.
 
 Faults are injected for real, at a chosen stage of a step, by residual functions and
 models that count their calls: with an explicit per-sample Jacobian and

@@ -334,7 +334,7 @@ def test_a_chosen_float32_dual_solve_is_within_the_tolerance(
     at small λ, which shows the check can fail.  With independent rows the float32
     error is about 1e-6 at every λ (the smallest eigenvalue of ``JD⁻¹Jᵀ``, not λ,
     bounds it), where the rule, which sees only λ, still keeps float64 below
-    λ ≈ ε/tol (benchmarks/NOTES.md, issue 17).
+    λ ≈ ε/tol (benchmarks/notes/NOTES.md).
     """
     jac, r, d, scale = _dual_case(rows, hidden, seed, dependent)
     n = jac.shape[1]

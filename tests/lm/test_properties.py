@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis) of the inputs ``least_squares`` and
-``LevenbergMarquardt`` accept (issue 6, "Bad input, beyond the engine's list").
+``LevenbergMarquardt`` accept.
 
 Every drawn input either works, checked against a reference (``torch.linalg.lstsq``
 on the problem's exact Jacobian, and a run on clean contiguous copies of the same

@@ -1,4 +1,4 @@
-"""Soak test (issue 6, "Long runs"): thousands of mini-batch steps on scikit-learn's
+"""Soak test: thousands of mini-batch steps on scikit-learn's
 digits with random faults injected, sampled for memory growth, and a checkpointed
 and resumed run compared bitwise with the uninterrupted one.
 

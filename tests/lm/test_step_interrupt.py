@@ -1,4 +1,4 @@
-"""An interrupt in a later attempt of a later step leaves no trace (issue 17's guard).
+"""An interrupt in a later attempt of a later step leaves no trace .
 
 Speed work carries state from one step to the next (a pooled Jacobian buffer, the
 accepted trial's forward pass reused for the next linearisation).  Whatever is carried,

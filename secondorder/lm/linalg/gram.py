@@ -23,7 +23,7 @@ def gram_blocks(n: int) -> int:
     flops (75% for k = 2, 62.5% for k = 4), and the rest is a copy.  Each block
     product must stay wide enough for the matrix-multiply kernel to run near its
     peak: blocks are at least 96 columns, and at most 4
-    (``python -m benchmarks.gram_blocks`` times the choices).
+    (``python -m benchmarks.experiments.gram_blocks`` times the choices).
     """
     return max(1, min(4, n // 96))
 

@@ -1,8 +1,8 @@
 """How fast a sinc step could be: its stages against torch-levenberg-marquardt's step.
 
-    PYTHONPATH=. python -m benchmarks.sinc_ceiling [--rounds 60] [--warm 20] [--threads 2]
+    python -m benchmarks.experiments.sinc_ceiling [--rounds 60] [--warm 20] [--threads 2]
 
-Issue 17 asks for a sinc step (20,000 points, 193 parameters, float32, full batch)
+The LM targets ask for a sinc step (20,000 points, 193 parameters, float32, full batch)
 2.5 times as fast as torch-levenberg-marquardt's.  This script measures, in one
 process, what bounds that ratio on this machine:
 
@@ -20,10 +20,10 @@ It prints ceilings for ``peer / ours``: the step with its Gram at ``ssyrk``'s ti
 and a step that is nothing but its stages (rows, the Gram, one solve, one trial: no
 bookkeeping, no rejected attempt), with its own Gram and with ``ssyrk``'s; and the
 time 2.5x would leave the Gram in that bare step.  ``ssyrk`` is timed alone: inside a
-step scipy's OpenBLAS threads compete with torch's (``benchmarks/NOTES.md``, section
+step scipy's OpenBLAS threads compete with torch's (``benchmarks/notes/NOTES.md``, section
 3), so it is a bound, not an option.
 The stage times are read by wrapping private functions of the package (exploration
-only, as in ``benchmarks.sinc_steps``).  Results: ``benchmarks/NOTES.md``, "The
+only, as in ``benchmarks.experiments.sinc_steps``).  Results: ``benchmarks/notes/NOTES.md``, "The
 ceiling of a sinc step".
 """
 
@@ -46,9 +46,9 @@ import secondorder.lm.problem as problem
 from secondorder.lm import LevenbergMarquardt
 from secondorder.lm.residuals import mse
 
-from .core import run_line, settled_heap
-from .lm_floor import median_time
-from .workloads import mlp, sinc_data
+from ..core import run_line, settled_heap
+from ..lm_floor import median_time
+from ..workloads import mlp, sinc_data
 
 #: (module or class, attribute, stage) wrapped to time the stages inside a step.
 STAGES: tuple[tuple[Any, str, str], ...] = (

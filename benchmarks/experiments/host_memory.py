@@ -1,6 +1,6 @@
 """What raising glibc's allocator thresholds gains a full-batch CPU fit, step by step.
 
-    PYTHONPATH=. python -m benchmarks.host_memory [--rounds 4] [--warm 150] [--steps 40]
+    python -m benchmarks.experiments.host_memory [--rounds 4] [--warm 150] [--steps 40]
         [--points 20000] [--threads 2]
 
 The sinc fit of the LM suite (``Linear(1,64)-Tanh-Linear(64,1)``, float32, full

@@ -3,7 +3,7 @@
 Reports, never asserts: for each width and damping matrix, the CG iterations of
 the first steps of ``LevenbergMarquardt(solver="cg", cg_preconditioner=...)`` from
 the same initialisation, with ``cg_rtol=1e-8``.  Run with
-``PYTHONPATH=. OMP_NUM_THREADS=2 python benchmarks/cg_kfac.py``.
+``OMP_NUM_THREADS=2 python -m benchmarks.experiments.cg_kfac``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How far sinc's time to MSE 1e-6 moves when the start moves by a rounding error.
 
-    python -m benchmarks.sinc_spread [--device cuda] [--steps 600] [--threads 2]
+    python -m benchmarks.experiments.sinc_spread [--device cuda] [--steps 600] [--threads 2]
 
 The quick suite's sinc problem (20,000 points, 193 parameters, float32), trained by
 secondorder LM with its defaults from the suite's initial weights, and from those
@@ -22,8 +22,8 @@ import torch
 
 import secondorder as so
 
-from .core import resolve_device, sync
-from .lm_problems import make_problem
+from ..core import resolve_device, sync
+from ..lm_problems import make_problem
 
 PERTURBATIONS = (0.0, 1e-7, -1e-7, 3e-7)
 
@@ -57,8 +57,8 @@ def run(device: str, eps: float, steps: int, target: float = 1e-6) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``python -m benchmarks.sinc_spread``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sinc_spread")
+    """Entry point: ``python -m benchmarks.experiments.sinc_spread``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.experiments.sinc_spread")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--threads", type=int, default=2)

@@ -1,6 +1,6 @@
 """Cholesky at the sizes ``secondorder._lapack`` pads, against the unpadded call.
 
-    python -m benchmarks.lapack_sizes [--threads 2] [--sizes 256 264 512 1024]
+    python -m benchmarks.experiments.lapack_sizes [--threads 2] [--sizes 256 264 512 1024]
 
 For each order and dtype, a random symmetric positive definite matrix is factored and
 solved against one vector (``LevenbergMarquardt``'s dual and primal Cholesky step)
@@ -27,7 +27,7 @@ from secondorder._lapack import (
     shifted_cholesky_solve,
 )
 
-from .core import run_line
+from ..core import run_line
 
 
 def _plain_solve(k: Tensor, b: Tensor) -> Tensor:

@@ -1,15 +1,15 @@
 """What each λ would have gained at a point of an LM run on sinc, in float64.
 
-    PYTHONPATH=$PWD python -m benchmarks.sinc_lambda_scan SEED STEP [STEP ...]
+    python -m benchmarks.experiments.sinc_lambda_scan SEED STEP [STEP ...]
 
 Runs ``LevenbergMarquardt(model, mse)`` (defaults, 1 thread) on the sinc problem of
-``benchmarks.sinc_steps`` from ``mlp([1, 64, 1], SEED)`` to each STEP, then, at that
+``benchmarks.experiments.sinc_steps`` from ``mlp([1, 64, 1], SEED)`` to each STEP, then, at that
 point, with J from ``torch.func.jacfwd`` in float64 and ``D = diag(JᵀJ)`` (floored as
 the library floors it, at 1e-9 of its largest entry), for λ from 10x to 1/100x the
 optimizer's λ: the gain ratio ρ and the fraction of the loss a full step removes;
 the same with geodesic acceleration (``r_vv`` by ``jvp`` of ``jvp``, ``δ = v + a/2``)
 and its ratio ``2‖D^½a‖/‖D^½v‖``; and the best of seven scales t of the plain step.
-Read in ``benchmarks/NOTES.md``, "Fewer steps on sinc".
+Read in ``benchmarks/notes/NOTES.md``, "Fewer steps on sinc".
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.func import functional_call, jacfwd, jvp
 from secondorder.lm import LevenbergMarquardt
 from secondorder.lm.residuals import mse
 
-from .workloads import mlp, sinc_data
+from ..workloads import mlp, sinc_data
 
 
 def main(argv: list[str]) -> int:

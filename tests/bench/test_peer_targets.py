@@ -1,4 +1,4 @@
-"""The bench's issue-17 summary: each target's ratio from the run's own comparisons."""
+"""The bench's peer-targets summary: each target's ratio from the run's own comparisons."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _result(name: str, step_s: float, curve: list[tuple[float, float]]) -> bench
     return r
 
 
-def test_issue17_rows_come_from_the_defaults_against_the_peer() -> None:
+def test_peer_targets_rows_come_from_the_defaults_against_the_peer() -> None:
     problems = bench.build_problems(tiny=True, keys=["sinc", "wide_dual"])
     ours = _result("secondorder LM (defaults)", 0.1, [(0.0, 1.0), (2.5, 1e-7)])
     fast = _result("secondorder LM (fastest)", 0.01, [(0.0, 1.0), (0.5, 1e-7)])
@@ -27,7 +27,7 @@ def test_issue17_rows_come_from_the_defaults_against_the_peer() -> None:
     ours_w = _result("secondorder LM (defaults)", 0.2, [(0.0, 2.0)])
     tlm_w = _result("torch-levenberg-marquardt 1.2.3", 0.1, [(0.0, 2.0)])
     wide = bench.ProblemResult(problems["wide_dual"], [ours_w, tlm_w], [])
-    rows = {(r["problem"], r["measure"]): r for r in lm_methods.issue17([sinc, wide])}
+    rows = {(r["problem"], r["measure"]): r for r in lm_methods.peer_targets([sinc, wide])}
     step = rows[("sinc", "step_speedup_vs_tlm")]
     assert step["value"] == pytest.approx(3.0) and step["met"] is True  # the fastest is ignored
     to_target = rows[("sinc", "time_to_target_s")]
@@ -36,7 +36,7 @@ def test_issue17_rows_come_from_the_defaults_against_the_peer() -> None:
     assert dual["value"] == pytest.approx(0.5) and dual["met"] is False
     cnn = rows[("digits_cnn", "step_speedup_vs_tlm")]
     assert cnn["value"] is None and cnn["met"] is None and not cnn["ran"]
-    text = "\n".join(lm_methods.issue17_lines([sinc, wide]))
+    text = "\n".join(lm_methods.peer_targets_lines([sinc, wide]))
     assert "| sinc | peer s/step over ours (methods table) | 3.00 | >= 2.5 | yes |" in text
     assert "| wide_dual | peer s/step over ours (methods table) | 0.50 | >= 1.5 | no |" in text
     assert "| digits_cnn | peer s/step over ours (methods table) | not run | >= 1.5 | - |" in text
@@ -44,35 +44,35 @@ def test_issue17_rows_come_from_the_defaults_against_the_peer() -> None:
     # A problem that ran but missed the target, or ran without the peer.
     never = _result("secondorder LM (defaults)", 0.1, [(0.0, 1.0), (1.0, 1e-3)])
     missed = bench.ProblemResult(problems["sinc"], [never], [])
-    text = "\n".join(lm_methods.issue17_lines([missed]))
+    text = "\n".join(lm_methods.peer_targets_lines([missed]))
     assert "| sinc | time to the target (s) | not reached | <= 3 | - |" in text
     assert "| sinc | peer s/step over ours (methods table) | peer not run | >= 2.5 | - |" in text
     assert "| sinc | peer s/step over ours (side by side) | peer not run | >= 2.5 | - |" in text
     # In the whole report, after the problems.
-    assert "## Issue 17: secondorder LM (defaults)" in bench.markdown([sinc, wide], "# t")
+    assert "## Targets: secondorder LM (defaults)" in bench.markdown([sinc, wide], "# t")
 
 
-def test_issue17_summary_is_left_out_when_nothing_it_needs_ran() -> None:
+def test_peer_targets_summary_is_left_out_when_nothing_it_needs_ran() -> None:
     problems = bench.build_problems(tiny=True, keys=["digits_mlp"])
     pr = bench.ProblemResult(
         problems["digits_mlp"], [_result("secondorder LM (defaults)", 0.1, [(0.0, 1.0)])], []
     )
-    assert lm_methods.issue17_lines([pr]) == []
-    assert all(r["value"] is None for r in lm_methods.issue17([pr]))
+    assert lm_methods.peer_targets_lines([pr]) == []
+    assert all(r["value"] is None for r in lm_methods.peer_targets([pr]))
 
 
-def test_issue17_side_by_side_rows_read_the_alternating_run() -> None:
+def test_peer_targets_side_by_side_rows_read_the_alternating_run() -> None:
     problems = bench.build_problems(tiny=True, keys=["wide_dual"])
     ours = _result("secondorder LM (defaults)", 0.2, [(0.0, 2.0)])
     tlm = _result("torch-levenberg-marquardt 1.2.3", 0.1, [(0.0, 2.0)])
     both = {"steps": 4, "ours_s": 0.01, "peer_s": 0.016, "speedup": 1.6}
     wide = bench.ProblemResult(problems["wide_dual"], [ours, tlm], [])
     wide.sections["side_by_side"] = both
-    rows = {(r["problem"], r["measure"]): r for r in lm_methods.issue17([wide])}
+    rows = {(r["problem"], r["measure"]): r for r in lm_methods.peer_targets([wide])}
     assert rows[("wide_dual", "step_speedup_vs_tlm")]["met"] is False  # 0.5 in the table
     side = rows[("wide_dual", "step_speedup_side_by_side")]
     assert side["value"] == pytest.approx(1.6) and side["met"] is True
-    text = "\n".join(lm_methods.issue17_lines([wide]))
+    text = "\n".join(lm_methods.peer_targets_lines([wide]))
     assert "| wide_dual | peer s/step over ours (side by side) | 1.60 | >= 1.5 | yes |" in text
     assert "1.60x" in "\n".join(lm_methods.side_by_side_lines(wide))
 

@@ -1,6 +1,6 @@
 """Stage-by-stage profile of one LM step on the bench's problem 1, all in one process.
 
-    PYTHONPATH=. python benchmarks/profile_step.py [--reps 20] [--threads 2] [--hidden 64]
+    python -m benchmarks.experiments.profile_step [--reps 20] [--threads 2] [--hidden 64]
 
 sinc(10x) on 20,000 points, Linear(1,64)-Tanh-Linear(64,1) (193 parameters), float32,
 full batch.  Every timed call runs once per round, round-robin over ``--reps`` rounds,

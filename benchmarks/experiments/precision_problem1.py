@@ -1,6 +1,6 @@
 """gram_dtype settings on the benchmark's problem 1, one after another in one process.
 
-    PYTHONPATH=. python benchmarks/precision_problem1.py [steps]
+    python -m benchmarks.experiments.precision_problem1 [steps]
 
 sinc(10x), 20,000 points, Linear(1,64)-Tanh-Linear(64,1), float32, full batch, the
 same initial weights for every setting; ``steps`` (default 300) LM steps each with

@@ -1,6 +1,6 @@
-"""Interleaved time per step: secondorder LM against torch-levenberg-marquardt (issue 17).
+"""Interleaved time per step: secondorder LM against torch-levenberg-marquardt.
 
-    PYTHONPATH=. python -m benchmarks.issue17_ab [--problems sinc wide_dual digits_cnn]
+    python -m benchmarks.experiments.lm_side_by_side [--problems sinc wide_dual digits_cnn]
         [--rounds 15] [--threads 2] [--base DIR] [--options '{"gram_dtype": "float32"}']
 
 For each problem every stepper is warmed up for ``--warm`` steps, then timed one step
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 import secondorder
 import secondorder._host_memory as host_memory
 
-from .workloads import cnn, digits, mlp, sinc_data
+from ..workloads import cnn, digits, mlp, sinc_data
 
 Batches = list[tuple[Tensor, Tensor]]
 

@@ -1,6 +1,6 @@
 """Steps, not seconds: LM variants on the sinc problem, counted step by step.
 
-    PYTHONPATH=$PWD python -m benchmarks.sinc_steps [--seeds 0 1 2] [--steps 300]
+    python -m benchmarks.experiments.sinc_steps [--seeds 0 1 2] [--steps 300]
         [--threads 1] [--variants NAME ...] [--points 20000] [--hidden 64]
 
 sinc(10x) on ``points`` evenly spaced x in [-1, 1], Linear(1,hidden)-Tanh-
@@ -17,7 +17,7 @@ Variants are named in :data:`VARIANTS` (public options) and :data:`RULES`
 (exploration only: :class:`ShapedRule` is swapped into the optimizer's private
 ``_rule``, and the ``search_*`` variants wrap the engine's private ``_judge``; neither
 is library behaviour).  ``--options JSON`` adds one variant of any options.
-Results and their reading: ``benchmarks/NOTES.md``, "Fewer steps on sinc".
+Results and their reading: ``benchmarks/notes/NOTES.md``, "Fewer steps on sinc".
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from secondorder.lm import LevenbergMarquardt
 from secondorder.lm.damping import DampingRule, DampingState, StepRecord
 from secondorder.lm.residuals import mse
 
-from .workloads import mlp, sinc_data
+from ..workloads import mlp, sinc_data
 
 #: The variants measured (options of ``LevenbergMarquardt``).
 VARIANTS: dict[str, dict[str, Any]] = {

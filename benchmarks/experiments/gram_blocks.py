@@ -2,7 +2,7 @@
 
 A 32 MB buffer is rewritten before each product, so J comes from memory as in a step.
 
-PYTHONPATH=. python benchmarks/gram_blocks.py [rounds] [threads]
+python -m benchmarks.experiments.gram_blocks [rounds] [threads]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Classifiers on mini-batches: the damping matrix D = I against Marquardt's diag(JᵀJ).
 
-    PYTHONPATH=. python -m benchmarks.classifier_damping [--inits 4] [--threads 2]
+    python -m benchmarks.experiments.classifier_damping [--inits 4] [--threads 2]
         [--problems digits_mlp digits_cnn wide_dual]
 
 For each of the bench's digits problems (its quick budget of steps, its batches) and
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core import Method, MethodResult, Problem, run_line, train
-from .lm_methods import lm_method, tlm_method
-from .lm_problems import build_problems
+from ..core import Method, MethodResult, Problem, run_line, train
+from ..lm_methods import lm_method, tlm_method
+from ..lm_problems import build_problems
 
 PROBLEMS = ("digits_mlp", "digits_cnn", "wide_dual")
 

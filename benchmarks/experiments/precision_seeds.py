@@ -1,6 +1,6 @@
 """float64, float32 and "auto" normal matrices over six initialisations.
 
-    PYTHONPATH=. python benchmarks/precision_seeds.py [points] [steps]
+    python -m benchmarks.experiments.precision_seeds [points] [steps]
 
 sinc(10x) on ``points`` (default 2,000) random points in [-1, 1],
 Linear(1,64)-Tanh-Linear(64,1) in float32, full batch, ``steps`` (default 400) LM

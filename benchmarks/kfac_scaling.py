@@ -21,7 +21,10 @@ What one rank hands to collectives in one step (``k`` = gradient workers per lay
   G⁻¹``; float32), one call per source rank that owns some;
 * every step, when ``W/k > 1``: the preconditioned gradients of every layer, broadcast
   by their worker group over the receiver groups, one call per worker group that owns
-  some.
+  some;
+* every step: two small all-reduces in which the ranks agree to go on
+  (:mod:`secondorder.kfac.agreement`), a ``W × (9 + ⌈layers/52⌉)`` float64 table
+  before the step's collectives and a ``W × 1`` one before it writes anything.
 
 COMM-OPT (``k = W``) sends every decomposition and no gradient; MEM-OPT (``k = 1``) no
 decomposition and every preconditioned gradient; HYBRID-OPT (here ``k = W/2``) between.
@@ -55,6 +58,7 @@ __all__ = [
     "KFACAssumptions",
     "LayerSpec",
     "ScalingProblem",
+    "agreement_traffic",
     "grad_workers",
     "layer_specs",
     "linear_spec",
@@ -159,6 +163,8 @@ def step_traffic(
         assignment = assign_work(costs, world, k).inverse_worker
     params = total_params if total_params is not None else sum(s.params for s in layers)
     t = Traffic(allreduce=params * itemsize, allreduce_calls=1)
+    if layers:  # (no layers: the gradient all-reduce alone, for the paper model's parts)
+        t += agreement_traffic(len(layers), world)
     if factor_update:
         numbers = sum(s.factor_numbers(packed) for s in layers)
         t += Traffic(allreduce=numbers * itemsize + 16 * len(layers), allreduce_calls=1)
@@ -173,6 +179,12 @@ def step_traffic(
         numbers = sum(s.params for s in layers)
         t += Traffic(broadcast=numbers * itemsize, broadcast_calls=len(blocks))
     return t
+
+
+def agreement_traffic(layers: int, world: int) -> Traffic:
+    """The two agreement tables of one K-FAC step (float64, one row per rank)."""
+    columns = 9 + -(-layers // 52) + 1
+    return Traffic(allreduce=8 * world * columns, allreduce_calls=2)
 
 
 # -- the measured problem --------------------------------------------------------------------
@@ -417,7 +429,12 @@ def _seconds(
     e = a.every
     # the parts of each traffic, each over the group it travels in
     factor = Traffic(
-        allreduce=upd.allreduce - plain.allreduce, allreduce_calls=upd.allreduce_calls - 1
+        allreduce=upd.allreduce - plain.allreduce,
+        allreduce_calls=upd.allreduce_calls - plain.allreduce_calls,
+    )
+    agreement = Traffic(
+        allreduce=plain.allreduce - grad.allreduce,
+        allreduce_calls=plain.allreduce_calls - grad.allreduce_calls,
     )
     inverse = Traffic(
         broadcast=upd.broadcast - plain.broadcast,
@@ -425,6 +442,7 @@ def _seconds(
     )
     pre = Traffic(broadcast=plain.broadcast, broadcast_calls=plain.broadcast_calls)
     comm = comm_seconds(grad, p, a.bandwidth, a.latency)
+    comm += comm_seconds(agreement, p, a.bandwidth, a.latency)
     comm += comm_seconds(factor, p, a.bandwidth, a.latency) / e
     comm += comm_seconds(inverse, k, a.bandwidth, a.latency) / e
     comm += comm_seconds(pre, p // k, a.bandwidth, a.latency)

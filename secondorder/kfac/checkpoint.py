@@ -1,19 +1,34 @@
 """K-FAC's ``state_dict``: what it holds, how a loaded one is checked, how it is restored.
 
 Every check runs before anything is set, so a refused state leaves K-FAC unchanged.
+Beyond keys, types and shapes, the values are checked where the next steps rely on
+them: factors and decompositions finite, the factors' diagonals and the eigenvalues
+``>= 0`` (A and G are covariances), the inverses' and Cholesky factors' diagonals
+``> 0`` (they come from ``A + λI``, positive definite), and a decomposition present
+where this rank preconditions the layer before it next recomputes it.  Tensors saved
+on another device are moved to the layer's, as ``torch.optim`` does; a tensor on the
+``meta`` device has no values and is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .config import check_damping
 from .layers import KFACLayer
 
-__all__ = ["check_counters", "check_layers_state", "check_tensor", "layers_state", "load_layers"]
+__all__ = [
+    "check_counters",
+    "check_layers_state",
+    "check_tensor",
+    "check_values",
+    "layers_state",
+    "load_layers",
+]
 
 
 def layers_state(layers: Mapping[str, KFACLayer]) -> dict[str, Any]:
@@ -55,8 +70,17 @@ def check_counters(state: Any) -> None:
         )
 
 
-def check_layers_state(entries: Any, layers: Mapping[str, KFACLayer], compute_method: str) -> None:
-    """Check that ``entries`` holds one well-shaped entry for each of ``layers``."""
+def check_layers_state(
+    entries: Any,
+    layers: Mapping[str, KFACLayer],
+    compute_method: str,
+    needs_inverse: Collection[str] = (),
+) -> None:
+    """Check that ``entries`` holds one sound entry for each of ``layers``.
+
+    ``needs_inverse`` names the layers whose decomposition the next step uses without
+    recomputing it (this rank preconditions them and no inverse update is due).
+    """
     if not isinstance(entries, dict):
         raise TypeError("K-FAC state_dict: 'layers' must be a dict of layer name → entry")
     names = set(entries)
@@ -66,10 +90,11 @@ def check_layers_state(entries: Any, layers: Mapping[str, KFACLayer], compute_me
             f"layers are {sorted(layers)}"
         )
     for name, entry in entries.items():
-        _check_entry(f"K-FAC state_dict: layer {name!r}", entry, layers[name], compute_method)
+        where = f"K-FAC state_dict: layer {name!r}"
+        _check_entry(where, entry, layers[name], compute_method, name in needs_inverse)
 
 
-def _check_entry(where: str, entry: Any, layer: KFACLayer, method: str) -> None:
+def _check_entry(where: str, entry: Any, layer: KFACLayer, method: str, needed: bool) -> None:
     if not isinstance(entry, dict):
         raise TypeError(f"{where} entry must be a dict, got {type(entry).__name__}")
     if ("A" in entry) != ("G" in entry):
@@ -79,10 +104,18 @@ def _check_entry(where: str, entry: Any, layer: KFACLayer, method: str) -> None:
     for key, shape in (("A", a_shape), ("G", g_shape)):
         if key in entry:
             check_tensor(where, f"factor {key}", entry[key], shape)
+            check_values(where, f"factor {key}", entry[key], positive=False)
     inv = entry.get("inv", {})
     if not isinstance(inv, dict):
         raise TypeError(f"{where} 'inv' must be a dict, got {type(inv).__name__}")
     if not inv:
+        if needed:
+            raise ValueError(
+                f"{where} has no decomposition, but this rank preconditions the layer with "
+                "it before the next inverse update recomputes it: the checkpoint lost it. "
+                "Save the state_dict of every rank and load each rank's own, or load at a "
+                "step where inv_update_steps recomputes it."
+            )
         return  # no decomposition yet, or one this rank does not hold
     layouts = layer.inverse_layouts(method)
     layout = next((lay for lay in layouts if set(lay) == set(inv)), None)
@@ -95,23 +128,69 @@ def _check_entry(where: str, entry: Any, layer: KFACLayer, method: str) -> None:
         )
     for key, shape in layout.items():
         check_tensor(where, f"decomposition {key}", inv[key], shape)
+        if key in ("QA", "QG"):
+            check_values(where, f"decomposition {key}", inv[key], positive=None)
+        else:
+            # eigenvalues >= 0; inverses and Cholesky factors of A + λI have a diagonal > 0
+            check_values(where, f"decomposition {key}", inv[key], positive=key[0] != "d")
 
 
-def load_layers(entries: Mapping[str, Any], layers: Mapping[str, KFACLayer]) -> None:
-    """Set every layer's factors and decompositions from checked ``entries``."""
+def load_layers(
+    entries: Mapping[str, Any], layers: Mapping[str, KFACLayer], inv_dtype: torch.dtype
+) -> None:
+    """Set every layer's factors and decompositions from checked ``entries``.
+
+    New tensors on each layer's device: factors in its ``factor_dtype``, decompositions
+    in ``inv_dtype``.
+    """
     for name, entry in entries.items():
         layer = layers[name]
+        dev = layer.device
         if "A" in entry:
-            layer.A = entry["A"].to(layer.factor_dtype).clone()
-            layer.G = entry["G"].to(layer.factor_dtype).clone()
+            layer.A = entry["A"].to(dev, layer.factor_dtype, copy=True)
+            layer.G = entry["G"].to(dev, layer.factor_dtype, copy=True)
         else:
             layer.A = layer.G = None
-        layer.inv = {k: v.clone() for k, v in entry.get("inv", {}).items()}
+        layer.inv = {k: v.to(dev, inv_dtype, copy=True) for k, v in entry.get("inv", {}).items()}
 
 
 def check_tensor(where: str, what: str, t: Any, shape: tuple[int, ...]) -> None:
-    """Raise unless ``t`` is a floating tensor of ``shape``."""
+    """Raise unless ``t`` is a floating tensor of ``shape`` that holds values."""
     if not isinstance(t, Tensor) or not t.is_floating_point():
         raise TypeError(f"{where} {what} must be a floating tensor, got {type(t).__name__}")
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{where} {what} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{where} {what} is on the meta device, which holds no values: load the "
+            "checkpoint with torch.load(..., map_location='cpu') (or the training device)."
+        )
+
+
+def check_values(where: str, what: str, t: Tensor, positive: bool | None) -> None:
+    """Raise unless ``t`` is finite and its diagonal ``> 0`` (``positive``) or ``>= 0``.
+
+    The diagonal of a stack of square matrices ``(groups, n, n)``, or every entry of a
+    vector of diagonal values ``(1, n)``; ``positive=None`` checks finiteness only.
+    """
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise ValueError(
+            f"{where} {what} has {bad} non-finite value(s) (inf or NaN): the checkpoint is "
+            "damaged. Load one saved before the fault, or start this K-FAC afresh."
+        )
+    if positive is None:
+        return
+    diag = t.diagonal(dim1=-2, dim2=-1) if t.ndim == 3 else t
+    low = diag.min()
+    if (low <= 0) if positive else (low < 0):
+        need = (
+            "> 0 (it comes from A + λI, which is positive definite)"
+            if positive
+            else (">= 0 (a covariance or its eigenvalues)")
+        )
+        raise ValueError(
+            f"{where} {what} has a diagonal value {float(low)!r}, but it must be {need}: "
+            "the checkpoint is damaged. Load one saved before the fault, or start this "
+            "K-FAC afresh."
+        )

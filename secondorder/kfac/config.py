@@ -64,10 +64,14 @@ def check_kl_clip(value: object) -> float | None:
 
 
 def check_lr(value: object) -> float:
-    """``lr`` (used only by the KL clip) is a finite number > 0."""
+    """``lr`` (used only by the KL clip) is a finite number >= 0, as ``torch.optim``'s.
+
+    A schedule may bring it to 0 (``CosineAnnealingLR(eta_min=0)``): the step is then
+    0 and nothing is clipped.
+    """
     v = _number("lr", value)
-    if v <= 0:
-        raise ValueError(f"Invalid lr={value!r}: must be a finite number > 0.")
+    if v < 0:
+        raise ValueError(f"Invalid lr={value!r}: must be a finite number >= 0.")
     return v
 
 
@@ -106,13 +110,14 @@ class KFACConfig:
         damping: λ of ``(A ⊗ G + λI)⁻¹`` (eigen) or ``(A+λI)⁻¹ ⊗ (G+λI)⁻¹`` (inverse).
         factor_decay: weight of the old factor in ``F ← decay·F + (1-decay)·F_batch``.
         kl_clip: bound on ``lr²⟨P, ∇⟩`` (None: no clipping).
-        lr: the learning rate the KL clip assumes.
+        lr: the learning rate the KL clip assumes (0: no clipping).
         accumulation_steps: micro-batches per optimizer step (each loss divided by it).
         compute_method: ``"eigen"`` or ``"inverse"``.  Inverse is about half the cost
             per step and a small fraction per decomposition (Cholesky against eigh);
             with ``inv_update_steps`` small it keeps a factor as its Cholesky factor and
             solves instead of forming the inverse (same result up to rounding).
-        factor_dtype: dtype of A and G (None: the parameter's).
+        factor_dtype: dtype of A and G (None: the parameter's, but float32 for float16
+            and bfloat16 parameters, whose range the sums of squares would overflow).
         inv_dtype: dtype of the eigendecomposition or inverse.
         skip_layers: module names or class names (case-insensitive) left unpreconditioned.
         grad_worker_fraction: share of ranks that precondition each layer: 1 or
@@ -162,6 +167,12 @@ class KFACConfig:
             )
         _float_dtype("factor_dtype", self.factor_dtype, allow_none=True)
         _float_dtype("inv_dtype", self.inv_dtype, allow_none=False)
+        if self.inv_dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"Invalid inv_dtype={self.inv_dtype!r}: the eigendecomposition and Cholesky "
+                "factorisation need torch.float32 or torch.float64 (half precision has "
+                "no eigh or Cholesky); the gradients may stay in half precision."
+            )
         if isinstance(self.skip_layers, str) or not all(
             isinstance(s, str) for s in self.skip_layers
         ):

@@ -103,6 +103,9 @@ def discover_layers(
             skipped[label] = "frozen (weight.requires_grad is False)"
         else:
             layers[label] = make_layer(label, m, factor_dtype)
+    _check_skip_layers(skip_layers, named)
+    _check_materialized(layers)
+    _check_untied(model, layers)
     if not layers:
         raise ValueError(
             "the model has no layer K-FAC can precondition (supported: "
@@ -110,3 +113,53 @@ def discover_layers(
             f"skipped: {skipped or 'no module with parameters'}"
         )
     return layers, skipped
+
+
+def _check_skip_layers(skip_layers: Sequence[str], named: dict[str, nn.Module]) -> None:
+    known = {n.lower() for n in named} | {type(m).__name__.lower() for m in named.values()}
+    unknown = [s for s in skip_layers if s.lower() not in known]
+    if unknown:
+        raise ValueError(
+            f"Invalid skip_layers={list(skip_layers)!r}: {unknown} match no submodule name "
+            "or class name of the model (see model.named_modules()); a misspelt entry would "
+            "leave the layer preconditioned."
+        )
+
+
+def _check_materialized(layers: dict[str, KFACLayer]) -> None:
+    for name, layer in layers.items():
+        for p in layer.module.parameters(recurse=False):
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                raise ValueError(
+                    f"layer {name!r} ({type(layer.module).__name__}) has uninitialized "
+                    "parameters: run the model once on a sample batch, so that lazy "
+                    "modules know their shapes, before building K-FAC."
+                )
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"layer {name!r} has its parameters on the meta device (shapes without "
+                    "values): materialize the model first (model.to_empty(device=...) and "
+                    "initialize it), then build K-FAC."
+                )
+
+
+def _check_untied(model: nn.Module, layers: dict[str, KFACLayer]) -> None:
+    # a parameter that two modules share (tied weights) gets one gradient, the sum of
+    # both uses: preconditioning it as two blocks would let the last one win
+    # (one module registered under two names is one module: its calls share the block)
+    users: dict[int, dict[int, str]] = {}
+    for mod_name, m in model.named_modules(remove_duplicate=False):
+        for p_name, p in m.named_parameters(recurse=False):
+            place = f"{mod_name}.{p_name}" if mod_name else p_name
+            users.setdefault(id(p), {}).setdefault(id(m), place)
+    for name, layer in layers.items():
+        for p in layer.params():
+            places = list(users.get(id(p), {}).values())
+            if len(places) > 1:
+                raise ValueError(
+                    f"layer {name!r}: its parameter is shared by {places} (tied weights). "
+                    "K-FAC preconditions one module's parameters as one block, so a tied "
+                    "parameter would be preconditioned once per module with the last "
+                    "write winning. Pass skip_layers with every module that shares it to "
+                    "keep its plain gradient (or share it by calling one module twice)."
+                )

@@ -1,8 +1,11 @@
 """The forward and backward hooks that gather K-FAC's factor statistics.
 
-A forward hook on each layer adds its input to A and puts a tensor hook on its output,
-which adds the output gradient to G; a forward pre-hook on the model counts its calls,
-so a layer called several times in one call (weight sharing) counts its samples once.
+A forward hook on each layer puts a tensor hook on its output; when the output's
+gradient arrives, the call's input enters A and the gradient enters G, together.  A
+forward that is never backpropagated (a metric computed in training mode, a pass
+abandoned after an error, a backward interrupted before it reached the layer) leaves
+both factors alone.  A forward pre-hook on the model counts its calls, so a layer
+called several times in one call (weight sharing) counts its samples once.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def in_functorch_transform() -> bool:
 
 
 class StatsCapture:
-    """Hooks on a model that feed each layer's ``add_a``/``add_g`` during training passes.
+    """Hooks on a model that feed each layer's :meth:`~KFACLayer.add_pair` in training passes.
 
     Args:
         config: read for ``loss_reduction`` and ``accumulation_steps`` (G's scale).
@@ -43,6 +46,11 @@ class StatsCapture:
         #: calls of the model so far, and the call in which each layer last ran.
         self.passes = 0
         self.layer_pass: dict[str, int] = {}
+        #: the pass (a number of its own) each layer's calls currently belong to.
+        self.layer_call: dict[str, int] = {}
+        self._next_call = 0
+        #: steps taken: a gradient for a forward from before the last step is ignored.
+        self.generation = 0
         self.handles: list[RemovableHandle] = []
 
     def attach(self, model: nn.Module, layers: dict[str, KFACLayer]) -> None:
@@ -62,12 +70,28 @@ class StatsCapture:
     def end_step(self) -> None:
         """Forget which pass each layer last ran in (the next step starts afresh)."""
         self.layer_pass.clear()
+        self.layer_call.clear()
+        self.generation += 1
 
     def _new_pass(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
         # One call of the model is one pass over its batch: a layer called several
         # times in it (weight sharing) sees the same samples at more positions.
         if not in_functorch_transform():
             self.passes += 1
+
+    def _pass_of(self, layer: KFACLayer) -> int:
+        # A call starts a new pass when the model was called again, or when a call of
+        # the current pass was already backpropagated (the model's submodules called
+        # directly, micro-batch after micro-batch); samples are counted once per pass,
+        # so repeated calls within a pass are extra positions, not samples.
+        name = layer.name
+        call = self.layer_call.get(name)
+        if call is None or self.layer_pass.get(name) != self.passes or call in layer.counted:
+            self._next_call += 1
+            call = self._next_call
+            self.layer_call[name] = call
+        self.layer_pass[name] = self.passes
+        return call
 
     def _forward_hook(self, layer: KFACLayer) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
@@ -78,50 +102,42 @@ class StatsCapture:
             # that must not outlive the transform: such a call is not a training step
             if in_functorch_transform():
                 return
-            x = inputs[0]
-            # a call starts a new pass when the model was called again, or when every
-            # earlier call of this layer was backpropagated (the model's submodules
-            # called directly, micro-batch after micro-batch); samples are counted once
-            # per pass, so repeated calls within a pass are extra positions, not samples
-            new = (
-                self.layer_pass.get(layer.name) != self.passes
-                or layer.forward_calls == layer.backward_calls
-            )
-            self.layer_pass[layer.name] = self.passes
-            mask = layer.position_mask(x)
-            with torch.no_grad():
-                layer.add_a(x)
-            if isinstance(output, Tensor) and output.requires_grad:
-                batch = output.shape[0]
-                samples = batch if new else 0
-                # A tensor hook on the output, not a module backward hook: it survives an
-                # in-place activation applied to the output afterwards (it receives the
-                # gradient with respect to the value before the in-place op).
-                output.register_hook(lambda go: self._backward(layer, go, batch, samples, mask))
+            layer.forward_calls += 1
+            if not (isinstance(output, Tensor) and output.requires_grad):
+                return
+            # The input is kept (autograd keeps it too, for the weight's gradient) and
+            # enters A only with the output's gradient.
+            x = inputs[0].detach()
+            call, generation = self._pass_of(layer), self.generation
+            # A tensor hook on the output, not a module backward hook: it survives an
+            # in-place activation applied to the output afterwards (it receives the
+            # gradient with respect to the value before the in-place op).
+            output.register_hook(lambda go: self._backward(layer, x, go, call, generation))
 
         return hook
 
     def _backward(
-        self,
-        layer: KFACLayer,
-        grad_output: Tensor,
-        batch: int,
-        samples: int,
-        mask: Tensor | None,
+        self, layer: KFACLayer, x: Tensor, grad_output: Tensor, call: int, generation: int
     ) -> None:
+        if generation != self.generation:
+            return  # a forward from before the last step
+        batch = layer.batch_size(x)
         if self.config.loss_reduction == "mean":
             scale = float(batch * self.config.accumulation_steps)
         else:
             scale = 1.0
+        samples = 0 if call in layer.counted else batch
         with torch.no_grad():
+            mask = layer.position_mask(x)
             if mask is not None:
                 # positions that do not reach the weight (Embedding padding) add nothing to G
                 grad_output = grad_output * mask.unsqueeze(-1).to(grad_output.dtype)
-            layer.add_g(grad_output, scale / self.grad_scale(), samples)
+            layer.add_pair(x, grad_output, scale / self.grad_scale(), samples)
+        layer.counted.add(call)
 
 
 def check_calls(name: str, layer: KFACLayer) -> None:
-    """Raise if ``layer``'s forward and backward calls since the last step do not pair up."""
+    """Raise if ``layer`` has a gradient but its hooks saw no backpropagated call of it."""
     f, b = layer.forward_calls, layer.backward_calls
     where = f"K-FAC layer {name!r} ({layer.kind})"
     if f == 0 and not layer.module.training:
@@ -145,12 +161,4 @@ def check_calls(name: str, layer: KFACLayer) -> None:
             "no gradient reached its output: its output was detached or not used in the "
             "loss. To freeze the layer, set requires_grad=False on its parameters; to keep "
             f"its plain gradient, pass skip_layers=[{name!r}]."
-        )
-    if f != b:
-        raise RuntimeError(
-            f"{where} ran {f} training-mode forward call(s) but received {b} output "
-            "gradient(s) since the last step: a forward that is not backpropagated (a "
-            "metric or validation loss computed in training mode) would enter its factor "
-            "A. Wrap extra forwards in torch.no_grad() or run them in eval mode "
-            "(model.eval())."
         )

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..distributed import Reducer, resolve_reducer
+from ..distributed import CollectiveError, Reducer, resolve_reducer
+from .agreement import agree, shared_settings
 from .assignment import WorkAssignment, assign_work, factor_cost
 from .checkpoint import check_counters, check_layers_state, layers_state, load_layers
 from .config import KFACConfig
@@ -22,6 +23,7 @@ from .discovery import SUPPORTED_MODULES, discover_layers
 from .hooks import StatsCapture, check_calls
 from .layers import KFACLayer
 from .packing import all_finite, pack_upper, unpack_upper
+from .transaction import Snapshot, StepPlan, blank_settings, warn_about_statistics
 
 __all__ = ["KFAC", "SUPPORTED_MODULES"]
 
@@ -125,6 +127,8 @@ class KFAC:
         self._assign_work(layers)
         #: name → layer, for every preconditioned module, in model order.
         self.layers: dict[str, KFACLayer] = layers
+        #: where the ranks' agreement tables live (the first layer's device).
+        self._device = next(iter(layers.values())).device
         #: name → why the module keeps its plain gradient.
         self.skipped: dict[str, str] = skipped
         self._init_counters()
@@ -144,12 +148,7 @@ class KFAC:
         }
         self.assignment: WorkAssignment = assign_work(costs, world, k)
         self.reducer.check_agree(
-            {
-                "layers": list(layers),
-                "grad_workers": k,
-                "compute_method": self.config.compute_method,
-            },
-            "K-FAC layers and settings",
+            shared_settings(self.config, layers, k), "K-FAC layers and settings"
         )
         # building sub-groups is collective: every rank does it, in the same order
         self._workers = self.reducer.split(self.assignment.worker_groups())
@@ -196,7 +195,7 @@ class KFAC:
                         "requires_grad=False, or unused); it is not preconditioned while that "
                         "lasts.",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=4,
                     )
                 continue
             if capture:
@@ -205,56 +204,125 @@ class KFAC:
         return grads
 
     def step(self) -> None:
-        """Update factors and decompositions when due, then precondition every ``.grad``."""
-        cfg = self.config
-        step = self.steps
-        # every scheduled value this step needs, read (and checked) before anything changes;
+        """Update factors and decompositions when due, then precondition every ``.grad``.
+
+        A step is a transaction: the new factors, decompositions and gradients are
+        computed into temporaries and written only once all of them exist.  If anything
+        raises first (a check, a decomposition, an interrupt), on any rank, every rank
+        raises and the factors, decompositions, step count, the statistics gathered
+        since the last step and every ``.grad`` are as they were: the step can be
+        retried, and the batch enters the factors once.
+        """
+        error: Exception | None = None
+        plan: StepPlan | None = None
+        try:
+            plan = self._plan()
+        except Exception as exc:
+            error = exc
+        where = f"K-FAC step {self.steps}"
+        # every rank passed its checks and reads the same settings, before any collective
+        agree(
+            self.reducer,
+            error,
+            plan.settings() if plan else blank_settings(self.layers),
+            self._device,
+            where,
+        )
+        assert plan is not None
+        factors: dict[str, tuple[Tensor, Tensor]] = {}
+        inv: dict[str, dict[str, Tensor]] = {}
+        pre: dict[str, Tensor] = {}
+        bad: list[str] = []
+        try:
+            if plan.stats is not None:
+                factors, bad = self._update_factors(plan.stats, plan.decay)
+            if plan.invert:
+                inv = self._update_inverses(factors, plan.damping, plan.i_steps)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            error = exc
+        if plan.invert and self.assignment.grad_workers > 1:
+            # a rank whose part failed still takes part, with placeholders: the
+            # agreement below refuses the step everywhere before anything is written
+            self._share_inverses(inv, plan.i_steps)
+        if error is None:
+            try:
+                pre = self._precondition(plan.grads, plan.damping, inv)
+            except Exception as exc:
+                error = exc
+        agree(self.reducer, error, {}, self._device, where)
+        pre = self._share_preconditioned(pre, plan.grads)
+        nu: float = 1.0
+        if plan.kl_clip is not None and pre:
+            # the products in the gradient's dtype, their sum accumulated in float64
+            grads = plan.grads
+            vg = sum(float((pre[n] * grads[n]).sum(dtype=torch.float64)) for n in pre)
+            vg *= plan.lr**2
+            if vg != 0.0:
+                nu = min(1.0, math.sqrt(plan.kl_clip / abs(vg)))
+        self._commit(plan, factors, inv, pre, nu, skipped=bool(bad))
+        warn_about_statistics(plan, bad, self.layers, self.grad_scaler)
+
+    def _plan(self) -> StepPlan:
+        """Every value the step needs, read and checked before anything changes."""
+        cfg, step = self.config, self.steps
         # the next step's factor interval decides whether its forward is captured
         f_steps = cfg.at("factor_update_steps", step)
         i_steps = cfg.at("inv_update_steps", step)
         next_f_steps = cfg.at("factor_update_steps", step + 1)
         capture = step % f_steps == 0
-        damping = self.damping
-        decay = cfg.at("factor_decay", step)
-        kl_clip = cfg.at("kl_clip", step)
-        lr = cfg.at("lr", step)
-        grads = self._check_hooks(capture)
+        plan = StepPlan(
+            step=step,
+            f_steps=f_steps,
+            i_steps=i_steps,
+            next_f_steps=next_f_steps,
+            damping=self.damping,
+            decay=cfg.at("factor_decay", step),
+            kl_clip=cfg.at("kl_clip", step),
+            lr=cfg.at("lr", step),
+            invert=step % i_steps == 0,
+            grads=self._check_hooks(capture),
+            layers=list(self.layers),
+        )
         if capture:
-            self._update_factors(decay)
-        if step % i_steps == 0:
-            self._update_inverses(damping, i_steps)
-        pre = self._precondition(grads, damping)
-        nu: float = 1.0
-        if kl_clip is not None and pre:
-            # the products in the gradient's dtype, their sum accumulated in float64
-            vg = sum(float((pre[n] * grads[n]).sum(dtype=torch.float64)) for n in pre) * lr**2
-            if vg != 0.0:
-                nu = min(1.0, math.sqrt(kl_clip / abs(vg)))
-        for name, p in pre.items():
-            self.layers[name].set_grad(p.mul_(nu) if nu != 1.0 else p)
-        self.last_nu = nu
-        self.steps += 1
-        self._capture.capturing = self.steps % next_f_steps == 0
-        self._capture.end_step()
-        for layer in self.layers.values():
-            layer.reset_stats()
+            plan.stats = self._stats_to_sum()
+        plan.dropped = [n for n, layer in self.layers.items() if layer.dropped]
+        return plan
 
-    def _update_factors(self, decay: float) -> None:
-        layers = list(self.layers.values())
+    def _stats_to_sum(self) -> list[Tensor]:
+        # Copies when they travel: the all-reduce writes into its tensors, and a step
+        # that fails after it must leave this rank's own sums for the retry.
         packed = self.config.symmetry_aware
+        copy = self.reducer.world_size > 1
         tensors: list[Tensor] = []
-        for layer in layers:
+        for layer in self.layers.values():
             for t in layer.stats():
                 square = t.ndim == 3 and t.shape[-1] == t.shape[-2]
-                tensors.append(pack_upper(t) if packed and square else t)
+                tensors.append(pack_upper(t) if packed and square else t.clone() if copy else t)
         counts = torch.tensor(
-            [[layer.a_rows, layer.g_samples] for layer in layers], dtype=torch.float64
+            [[layer.a_rows, layer.g_samples] for layer in self.layers.values()],
+            dtype=torch.float64,
+            device=self._device,
         )
-        self.reducer.sum_([*tensors, counts])
-        if not all(all_finite(t) for t in tensors):
-            # a GradScaler overflow: the optimizer step is skipped too
-            self.skipped_factor_updates += 1
-            return
+        return [*tensors, counts]
+
+    def _update_factors(
+        self, stats: list[Tensor], decay: float
+    ) -> tuple[dict[str, tuple[Tensor, Tensor]], list[str]]:
+        """Sum the statistics over ranks: the new factors, or the layers with non-finite sums."""
+        self.reducer.sum_(stats)
+        *tensors, counts = stats
+        layers = list(self.layers.values())
+        bad = [
+            layer.name
+            for i, layer in enumerate(layers)
+            if not (all_finite(tensors[2 * i]) and all_finite(tensors[2 * i + 1]))
+        ]
+        if bad:
+            return {}, bad
+        packed = self.config.symmetry_aware
+        out: dict[str, tuple[Tensor, Tensor]] = {}
         for i, layer in enumerate(layers):
             a, g = tensors[2 * i], tensors[2 * i + 1]
             a_shape, g_shape = layer.factor_shapes()
@@ -264,35 +332,64 @@ class KFAC:
                 g = unpack_upper(g, g_shape[-1])
             a_rows, g_samples = float(counts[i, 0]), float(counts[i, 1])
             if a_rows > 0 and g_samples > 0:
-                layer.update_factors(a, a_rows, g, g_samples, decay)
+                out[layer.name] = layer.new_factors(a, a_rows, g, g_samples, decay)
+        return out, []
 
-    def _update_inverses(self, damping: float, uses: int) -> None:
+    def _update_inverses(
+        self, factors: dict[str, tuple[Tensor, Tensor]], damping: float, uses: int
+    ) -> dict[str, dict[str, Tensor]]:
+        """The decompositions this rank owns, of the new factors.
+
+        ``factors`` gains the identity of every layer that has no factors yet: that is
+        what gets decomposed, and committed.
+        """
         cfg = self.config
         asg, rank = self.assignment, self.reducer.rank
+        out: dict[str, dict[str, Tensor]] = {}
         for name, layer in self.layers.items():
+            if name not in factors and (layer.A is None or layer.G is None):
+                factors[name] = layer.identity_factors()
             if asg.inverse_worker[name] == rank:
-                layer.decompose(cfg.compute_method, damping, cfg.inv_dtype, uses)
+                out[name] = layer.decomposition(
+                    cfg.compute_method, damping, cfg.inv_dtype, uses, factors.get(name)
+                )
+        return out
+
+    def _share_inverses(self, inv: dict[str, dict[str, Tensor]], uses: int) -> None:
+        """Broadcast each decomposition inside its worker group (into new tensors)."""
+        cfg = self.config
+        asg, rank = self.assignment, self.reducer.rank
         k = asg.grad_workers
-        if k == 1:
-            return
         block = rank // k
         for src in range(k):
-            bufs = [
-                t
-                for name, layer in self.layers.items()
-                if asg.inverse_worker[name] == block * k + src
-                for t in layer.inverse_buffers(cfg.compute_method, cfg.inv_dtype, uses)
-            ]
+            bufs: list[Tensor] = []
+            for name, layer in self.layers.items():
+                if asg.inverse_worker[name] != block * k + src:
+                    continue
+                if name not in inv:
+                    inv[name] = layer.empty_inverse(cfg.compute_method, cfg.inv_dtype, uses)
+                bufs += [inv[name][key] for key in sorted(inv[name])]
             if bufs:
                 self._workers.broadcast_from_(bufs, src)
 
-    def _precondition(self, grads: dict[str, Tensor], damping: float) -> dict[str, Tensor]:
+    def _precondition(
+        self, grads: dict[str, Tensor], damping: float, inv: dict[str, dict[str, Tensor]]
+    ) -> dict[str, Tensor]:
+        """The preconditioned gradients of the layers this rank is a gradient worker of."""
         cfg = self.config
         asg, rank = self.assignment, self.reducer.rank
         out: dict[str, Tensor] = {}
         for name, g in grads.items():
             if asg.is_grad_worker(name, rank):
-                out[name] = self.layers[name].precondition(g, cfg.compute_method, damping)
+                layer = self.layers[name]
+                out[name] = layer.precondition(g, cfg.compute_method, damping, inv.get(name))
+        return out
+
+    def _share_preconditioned(
+        self, out: dict[str, Tensor], grads: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Every layer's preconditioned gradient, broadcast from its worker group."""
+        asg = self.assignment
         blocks = asg.world_size // asg.grad_workers
         if blocks == 1:
             return out
@@ -306,6 +403,35 @@ class KFAC:
             if bufs:
                 self._receivers.broadcast_from_(bufs, b)
         return {name: out[name] for name in grads}
+
+    def _commit(
+        self,
+        plan: StepPlan,
+        factors: dict[str, tuple[Tensor, Tensor]],
+        inv: dict[str, dict[str, Tensor]],
+        pre: dict[str, Tensor],
+        nu: float,
+        skipped: bool,
+    ) -> None:
+        """Write the step; an interrupt while writing puts everything back."""
+        undo = Snapshot.take(self, [p for n in pre for p in self.layers[n].params()])
+        try:
+            for name, p in pre.items():
+                self.layers[name].set_grad(p.mul_(nu) if nu != 1.0 else p)
+            for name, (a, g) in factors.items():
+                self.layers[name].A, self.layers[name].G = a, g
+            for name, d in inv.items():
+                self.layers[name].inv = d
+            self.skipped_factor_updates += int(skipped)
+            self.last_nu = nu
+            self.steps += 1
+            self._capture.capturing = self.steps % plan.next_f_steps == 0
+            self._capture.end_step()
+            for layer in self.layers.values():
+                layer.reset_stats()
+        except BaseException:
+            undo.restore(self)
+            raise
 
     # -- reporting ---------------------------------------------------------------------
     def summary(self) -> str:
@@ -347,7 +473,11 @@ class KFAC:
     def check_state_dict(self, state: Any) -> None:
         """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
         check_counters(state)
-        check_layers_state(state["layers"], self.layers, self.config.compute_method)
+        steps = state["steps"]
+        asg, rank = self.assignment, self.reducer.rank
+        recomputes = steps % self.config.at("inv_update_steps", steps) == 0
+        needs = set() if recomputes else {n for n in self.layers if asg.is_grad_worker(n, rank)}
+        check_layers_state(state["layers"], self.layers, self.config.compute_method, needs)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; every entry is checked before any is set."""
@@ -355,7 +485,7 @@ class KFAC:
         # read before assigning: a callable factor_update_steps may refuse the step count
         steps = int(state["steps"])
         capturing = steps % self.config.at("factor_update_steps", steps) == 0
-        load_layers(state["layers"], self.layers)
+        load_layers(state["layers"], self.layers, self.config.inv_dtype)
         self.steps = steps
         override = state.get("damping_override")
         self.damping_override = None if override is None else float(override)

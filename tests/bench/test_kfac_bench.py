@@ -131,12 +131,15 @@ def test_step_traffic_by_hand_for_two_linear_layers() -> None:
     params = 4 * 4 + 2 * 5
     assert step_traffic(layers, 1, 1, 0, factor_update=True, inverse_update=True) == Traffic()
     # COMM-OPT on 2 ranks with a on rank 1 and b on rank 0: full factors, then packed
+    # the agreement tables: 2 ranks × (1 + 9) and 2 × 1 float64 numbers, in two calls
+    agree = 8 * 2 * (10 + 1)
+    assert kfac_scaling.agreement_traffic(2, 2) == Traffic(allreduce=agree, allreduce_calls=2)
     t = step_traffic(
         layers, 2, 2, 0, factor_update=True, inverse_update=True, assignment={"a": 1, "b": 0}
     )
     assert t == Traffic(
-        allreduce=4 * params + 4 * (16 + 16 + 25 + 4) + 16 * 2,
-        allreduce_calls=2,
+        allreduce=4 * params + 4 * (16 + 16 + 25 + 4) + 16 * 2 + agree,
+        allreduce_calls=4,
         broadcast=4 * ((16 + 16) + (25 + 4)),
         broadcast_calls=2,
     )
@@ -146,8 +149,8 @@ def test_step_traffic_by_hand_for_two_linear_layers() -> None:
         assignment={"a": 1, "b": 0},
     )  # fmt: skip
     assert t == Traffic(
-        allreduce=4 * params + 4 * factors + 16 * 2,
-        allreduce_calls=2,
+        allreduce=4 * params + 4 * factors + 16 * 2 + agree,
+        allreduce_calls=4,
         broadcast=4 * ((16 + 16) + (25 + 4)),
         broadcast_calls=2,
     )
@@ -157,7 +160,7 @@ def test_step_traffic_by_hand_for_two_linear_layers() -> None:
         layers, 2, 1, 1, factor_update=False, inverse_update=True, assignment={"a": 1, "b": 0}
     )
     assert t == Traffic(
-        allreduce=4 * params, allreduce_calls=1, broadcast=4 * params, broadcast_calls=2
+        allreduce=4 * params + agree, allreduce_calls=3, broadcast=4 * params, broadcast_calls=2
     )
     # eigen sends the spectra too
     assert LayerSpec("c", 1, 5, 2, 10).inverse_numbers("eigen") == 25 + 4 + 5 + 2

@@ -29,7 +29,7 @@ BAD = [
     (dict(factor_decay=1.0), ValueError, r"Invalid factor_decay=1.0: must be in \[0, 1\)"),
     (dict(factor_decay=-0.1), ValueError, r"Invalid factor_decay=-0.1: must be in \[0, 1\)"),
     (dict(kl_clip=0.0), ValueError, r"Invalid kl_clip=0.0: must be None \(no clipping\) or > 0"),
-    (dict(lr=0), ValueError, r"Invalid lr=0: must be a finite number > 0"),
+    (dict(lr=-0.1), ValueError, r"Invalid lr=-0.1: must be a finite number >= 0"),
     (
         dict(factor_update_steps=0),
         ValueError,

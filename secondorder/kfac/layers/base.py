@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..._lapack import pad_identity
+from .linalg import default_factor_dtype, spd_cholesky, spd_inverse, sym_eigh
 
 __all__ = ["KFACLayer", "KroneckerLayer"]
 
@@ -41,13 +41,15 @@ class KFACLayer:
     """
 
     kind = "layer"
+    #: whether a bias column is preconditioned with the weight (a trainable bias).
+    has_bias = False
 
     def __init__(self, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
         self.name = name
         self.module = module
         weight = module.weight
         assert isinstance(weight, Tensor)
-        self.factor_dtype = factor_dtype or weight.dtype
+        self.factor_dtype = factor_dtype or default_factor_dtype(weight.dtype)
         self.device = weight.device
         self.A: Tensor | None = None
         self.G: Tensor | None = None
@@ -65,12 +67,46 @@ class KFACLayer:
         self.g_samples = 0.0
         self.forward_calls = 0
         self.backward_calls = 0
+        #: the passes whose samples G has counted (a pass's first backpropagated call).
+        self.counted: set[int] = set()
+        #: an interrupted :meth:`add_pair` left these statistics out (warned at the step).
+        self.dropped = False
 
-    def add_a(self, x: Tensor) -> None:
-        """Add one forward call's input to the A statistics."""
-        self.a_sum, rows = self.accumulate_a(x.detach().to(self.factor_dtype), self.a_sum)
+    def a_input(self, x: Tensor) -> Tensor:
+        """One forward call's input as :meth:`a_stats` reads it (in ``factor_dtype``)."""
+        return x.detach().to(self.factor_dtype)
+
+    def batch_size(self, x: Tensor) -> int:
+        """Samples in one input: its dimension 0 (subclasses count an unbatched input as 1)."""
+        return int(x.shape[0]) if x.ndim else 1
+
+    def add_pair(self, x: Tensor, grad_output: Tensor, scale: float, samples: int) -> None:
+        """Add one backpropagated call: its input to A, its output gradient to G.
+
+        The two enter together, when the gradient arrives: a forward that is never
+        backpropagated (a metric in training mode, a pass abandoned after an error)
+        leaves both factors alone.  ``scale`` turns the gradient of the loss that was
+        differentiated into the per-sample gradient (the local batch size for a mean
+        loss, divided by a GradScaler's scale); ``samples`` is the batch size of the call
+        (0 for a further call of a layer in the same pass).
+        """
+        in_place = self.a_sum is not None
+        try:
+            a_sum, rows = self.accumulate_a(self.a_input(x), self.a_sum)
+            g = grad_output.detach().to(self.factor_dtype) * scale
+            g_sum = self.accumulate_g(g, self.g_sum)
+        except BaseException:
+            if in_place:
+                # the sums were being added to in place: this step's statistics of the
+                # layer are torn, so they are left out (with a warning at the step)
+                self.a_sum = self.g_sum = None
+                self.a_rows = self.g_samples = 0.0
+                self.dropped = True
+            raise
+        self.a_sum, self.g_sum = a_sum, g_sum
         self.a_rows += rows
-        self.forward_calls += 1
+        self.g_samples += samples
+        self.backward_calls += 1
 
     def accumulate_a(self, x: Tensor, acc: Tensor | None) -> tuple[Tensor, int]:
         """``acc + Σ a aᵀ`` of one input (a new sum if ``acc`` is None), and its row count."""
@@ -81,18 +117,6 @@ class KFACLayer:
         """``acc + Σ g gᵀ`` of one scaled output gradient (a new sum if ``acc`` is None)."""
         s = self.g_stats(g)
         return s if acc is None else acc + s
-
-    def add_g(self, grad_output: Tensor, scale: float, samples: int) -> None:
-        """Add one backward call's output gradient, times ``scale``, to the G statistics.
-
-        ``scale`` turns the gradient of the loss that was differentiated into the
-        per-sample gradient (the local batch size for a mean loss, divided by a
-        GradScaler's scale); ``samples`` is the batch size of that call.
-        """
-        g = grad_output.detach().to(self.factor_dtype) * scale
-        self.g_sum = self.accumulate_g(g, self.g_sum)
-        self.g_samples += samples
-        self.backward_calls += 1
 
     def position_mask(self, x: Tensor) -> Tensor | None:
         """Which positions of one input reach the weight (None: all of them).
@@ -110,15 +134,19 @@ class KFACLayer:
         g = self.g_sum if self.g_sum is not None else torch.zeros(g_shape, **kw)
         return [a, g]
 
-    def update_factors(
+    def new_factors(
         self, a_sum: Tensor, a_rows: float, g_sum: Tensor, g_samples: float, decay: float
-    ) -> None:
-        """Fold the (rank-summed) statistics into the running factors."""
-        if self.A is None or self.G is None:
-            self.A, self.G = self.identity_factors()
-        # in place: the factors of a wide layer are megabytes, written once per update
-        self.A = self.A.mul_(decay).add_(a_sum, alpha=(1.0 - decay) / a_rows)
-        self.G = self.G.mul_(decay).add_(g_sum, alpha=(1.0 - decay) / g_samples)
+    ) -> tuple[Tensor, Tensor]:
+        """The running factors with the (rank-summed) statistics folded in.
+
+        New tensors: the current factors stay as they are until the step commits.
+        """
+        a, g = (self.A, self.G) if self.A is not None and self.G is not None else (None, None)
+        if a is None or g is None:
+            a, g = self.identity_factors()
+        new_a = a.mul(decay).add_(a_sum, alpha=(1.0 - decay) / a_rows)
+        new_g = g.mul(decay).add_(g_sum, alpha=(1.0 - decay) / g_samples)
+        return new_a, new_g
 
     # -- subclass interface ------------------------------------------------------------
     def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -145,13 +173,32 @@ class KFACLayer:
         """Write a ``(groups, o, i)`` matrix back into the parameters' ``.grad``."""
         raise NotImplementedError
 
-    def decompose(self, method: str, damping: float, dtype: torch.dtype, uses: int = 1) -> None:
-        """Compute :attr:`inv` from the current factors.
+    def decomposition(
+        self,
+        method: str,
+        damping: float,
+        dtype: torch.dtype,
+        uses: int = 1,
+        factors: tuple[Tensor, Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        """The decomposition of ``factors`` (default: the current ones, or the identity).
 
         ``uses`` is the number of steps that will precondition with it (the inverse
-        update interval); the inverse method picks its cheapest form from it.
+        update interval); the inverse method picks its cheapest form from it.  A new
+        dict of new tensors: :attr:`inv` is left as it is.
         """
         raise NotImplementedError
+
+    def decompose(self, method: str, damping: float, dtype: torch.dtype, uses: int = 1) -> None:
+        """Set :attr:`inv` to :meth:`decomposition` of the current factors."""
+        self.inv = self.decomposition(method, damping, dtype, uses)
+
+    def _factors(self, factors: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        if factors is not None:
+            return factors
+        if self.A is not None and self.G is not None:
+            return self.A, self.G
+        return self.identity_factors()
 
     def inverse_shapes(self, method: str, uses: int = 1) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors of :attr:`inv`, so a receiving rank can allocate them."""
@@ -161,8 +208,13 @@ class KFACLayer:
         """Every key → shape layout of :attr:`inv` for ``method`` (checked when state loads)."""
         return [self.inverse_shapes(method)]
 
-    def precondition(self, grad: Tensor, method: str, damping: float) -> Tensor:
-        """The preconditioned gradient ``(A ⊗ G + λI)⁻¹ ∇`` (eigen) or its inverse-method twin."""
+    def precondition(
+        self, grad: Tensor, method: str, damping: float, inv: dict[str, Tensor] | None = None
+    ) -> Tensor:
+        """The preconditioned gradient ``(A ⊗ G + λI)⁻¹ ∇`` (eigen) or its inverse-method twin.
+
+        ``inv``: the decomposition to use (default :attr:`inv`).
+        """
         raise NotImplementedError
 
     def curvature(self, delta: Tensor) -> Tensor:
@@ -170,75 +222,32 @@ class KFACLayer:
         raise NotImplementedError
 
     # -- shared helpers ----------------------------------------------------------------
-    def inverse_buffers(self, method: str, dtype: torch.dtype, uses: int = 1) -> list[Tensor]:
-        """The tensors of :attr:`inv` in a fixed order, allocated if this rank lacks them."""
+    def empty_inverse(self, method: str, dtype: torch.dtype, uses: int = 1) -> dict[str, Tensor]:
+        """Uninitialised tensors for :attr:`inv`, for a rank that receives it by broadcast."""
         shapes = self.inverse_shapes(method, uses)
-        if set(self.inv) != set(shapes):
-            self.inv = {
-                k: torch.empty(s, dtype=dtype, device=self.device) for k, s in shapes.items()
-            }
-        return [self.inv[k] for k in sorted(shapes)]
+        return {k: torch.empty(s, dtype=dtype, device=self.device) for k, s in shapes.items()}
 
-    def _contiguous(self) -> None:
-        # eigh returns column-major eigenvectors; a rank that receives them by broadcast
-        # holds row-major copies, and BLAS may round a product differently for the two
-        # layouts.  One layout everywhere keeps the ranks bitwise equal.
-        self.inv = {k: v.contiguous() for k, v in self.inv.items()}
+    @staticmethod
+    def contiguous(inv: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``inv`` with every tensor row-major.
+
+        eigh returns column-major eigenvectors; a rank that receives them by broadcast
+        holds row-major copies, and BLAS may round a product differently for the two
+        layouts.  One layout everywhere keeps the ranks bitwise equal.
+        """
+        return {k: v.contiguous() for k, v in inv.items()}
 
     def params(self) -> list[nn.Parameter]:
-        """The parameters this layer preconditions (weight, then bias if any)."""
+        """The parameters this layer preconditions (weight, then bias if preconditioned)."""
         out = [self.module.weight]
         bias = getattr(self.module, "bias", None)
-        if isinstance(bias, nn.Parameter):
+        if self.has_bias and isinstance(bias, nn.Parameter):
             out.append(bias)
         return [p for p in out if isinstance(p, nn.Parameter)]
 
     def __repr__(self) -> str:
         a, g = self.factor_shapes()
         return f"{type(self).__name__}({self.name!r}, A={tuple(a)}, G={tuple(g)})"
-
-
-def sym_eigh(m: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of the PSD factor ``m`` in ``dtype``."""
-    d, q = torch.linalg.eigh(m.to(dtype))
-    # A and G are PSD; rounding can make the smallest eigenvalues slightly negative,
-    # which would let d_G d_A + λ approach 0.
-    return d.clamp(min=0.0), q
-
-
-def spd_inverse(m: Tensor) -> Tensor:
-    """Inverse of a symmetric positive definite (batch of) matrix by Cholesky.
-
-    Half the flops of an LU inverse; a factor that rounding made indefinite falls back
-    to ``torch.linalg.inv``.
-    """
-    # LAPACK works on column-major copies: handing it the transposed view of the
-    # symmetric m (column-major already) and reading the symmetric result back through
-    # its transpose spares two transposing copies of the matrix (~15% at n = 1281).
-    n = m.shape[-1]
-    chol, info = torch.linalg.cholesky_ex(pad_identity(m).mT)
-    if bool((info != 0).any()):
-        return torch.linalg.inv(m)
-    return torch.cholesky_inverse(chol).mT[..., :n, :n]
-
-
-def spd_cholesky(m: Tensor) -> Tensor:
-    """Upper Cholesky factor ``U`` (``m = UᵀU``) of a symmetric positive definite matrix.
-
-    Upper, because LAPACK returns the lower factor column-major, whose transpose is
-    then row-major without a copy.  A factor that rounding made indefinite is lifted
-    so that its smallest eigenvalue is ``n·eps·max|diag|`` (where :func:`spd_inverse`
-    falls back to LU, which the solves cannot).
-    """
-    n = m.shape[-1]
-    chol, info = torch.linalg.cholesky_ex(pad_identity(m).mT)
-    if bool((info != 0).any()):
-        low = torch.linalg.eigvalsh(m)[..., :1].clamp(max=0.0)
-        tiny = n * torch.finfo(m.dtype).eps * m.diagonal(dim1=-2, dim2=-1).abs().amax(-1, True)
-        m = m.clone()
-        m.diagonal(dim1=-2, dim2=-1).add_(tiny - low)
-        chol = torch.linalg.cholesky(pad_identity(m).mT)
-    return chol.mT[..., :n, :n]
 
 
 #: The inverse method keeps a factor of size ``n`` as its Cholesky factor, and solves
@@ -299,7 +308,6 @@ class KroneckerLayer(KFACLayer):
     """
 
     groups = 1
-    has_bias = False
 
     def __init__(self, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
         super().__init__(name, module, factor_dtype)
@@ -381,25 +389,29 @@ class KroneckerLayer(KFACLayer):
             {a: (ga, i, i), g: (gg, o, o)} for a in ("A_inv", "A_chol") for g in ("G_inv", "G_chol")
         ]
 
-    def decompose(  # noqa: D102
-        self, method: str, damping: float, dtype: torch.dtype, uses: int = 1
-    ) -> None:
-        if self.A is None or self.G is None:
-            self.A, self.G = self.identity_factors()
+    def decomposition(  # noqa: D102
+        self,
+        method: str,
+        damping: float,
+        dtype: torch.dtype,
+        uses: int = 1,
+        factors: tuple[Tensor, Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        a, g = self._factors(factors)
+        inv: dict[str, Tensor] = {}
         if method == "eigen":
-            dA, QA = sym_eigh(self.A, dtype)
-            dG, QG = sym_eigh(self.G, dtype)
-            self.inv = {"QA": QA, "dA": dA, "QG": QG, "dG": dG}
+            dA, QA = sym_eigh(a, dtype)
+            dG, QG = sym_eigh(g, dtype)
+            inv = {"QA": QA, "dA": dA, "QG": QG, "dG": dG}
         else:
-            self.inv = {}
-            for key, f, chol in zip("AG", (self.A, self.G), self._use_cholesky(uses), strict=True):
+            for key, f, chol in zip("AG", (a, g), self._use_cholesky(uses), strict=True):
                 m = f.to(dtype, copy=True)
                 m.diagonal(dim1=-2, dim2=-1).add_(damping)
                 if chol:
-                    self.inv[key + "_chol"] = spd_cholesky(m)
+                    inv[key + "_chol"] = spd_cholesky(m)
                 else:
-                    self.inv[key + "_inv"] = spd_inverse(m)
-        self._contiguous()
+                    inv[key + "_inv"] = spd_inverse(m)
+        return self.contiguous(inv)
 
     def _eigen_scale(self, dA: Tensor, dG: Tensor, damping: float) -> Tensor:
         # 1/(d_G d_Aᵀ + λ) changes only with the decomposition or λ: computed once for
@@ -428,9 +440,11 @@ class KroneckerLayer(KFACLayer):
         b = self._buffer(key, (*lead, width), like)
         return b[..., :n]
 
-    def precondition(self, grad: Tensor, method: str, damping: float) -> Tensor:  # noqa: D102
+    def precondition(  # noqa: D102
+        self, grad: Tensor, method: str, damping: float, inv: dict[str, Tensor] | None = None
+    ) -> Tensor:
         # The result is a view into a buffer this layer reuses at its next call.
-        inv = self.inv
+        inv = self.inv if inv is None else inv
         ping, pong = "p0", "p1"
         if method == "eigen":
             QA, dA, QG, dG = inv["QA"], inv["dA"], inv["QG"], inv["dG"]

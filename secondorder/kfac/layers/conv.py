@@ -73,7 +73,7 @@ class ConvLayer(KroneckerLayer):
         self.kind = type(module).__name__
         self.conv = module
         self.groups = module.groups
-        self.has_bias = module.bias is not None
+        self.has_bias = module.bias is not None and module.bias.requires_grad
         k = math.prod(module.kernel_size)
         self.n_in = module.in_channels // module.groups * k + int(self.has_bias)
         self.n_out = module.out_channels // module.groups
@@ -82,10 +82,19 @@ class ConvLayer(KroneckerLayer):
         g = self.groups
         return (g, self.n_in, self.n_in), (g, self.n_out, self.n_out)
 
+    def _unbatched(self, t: Tensor) -> bool:
+        # an unbatched input or output gradient is (C, *spatial): one sample
+        return t.ndim == len(self.conv.kernel_size) + 1
+
+    def batch_size(self, x: Tensor) -> int:  # noqa: D102
+        return 1 if self._unbatched(x) else int(x.shape[0])
+
     def a_rows_of(self, x: Tensor) -> Tensor:  # noqa: D102
-        return conv_patch_rows(self.conv, x)
+        return conv_patch_rows(self.conv, x.unsqueeze(0) if self._unbatched(x) else x)
 
     def g_rows_of(self, g: Tensor) -> Tensor:  # noqa: D102
+        if self._unbatched(g):
+            g = g.unsqueeze(0)
         n, o = g.shape[:2]
         k = self.groups
         # (groups, N·positions, o/groups), rows in the order of conv_patch_rows
@@ -109,9 +118,8 @@ class ConvLayer(KroneckerLayer):
         assert weight.grad is not None
         n_w = self.n_in - int(self.has_bias)
         weight.grad.copy_(p[:, :, :n_w].reshape(weight.shape))
-        if self.has_bias:
-            bias = self.conv.bias
-            assert bias is not None
+        bias = self.conv.bias
+        if self.has_bias and bias is not None and bias.requires_grad:
             if bias.grad is None:
                 bias.grad = torch.empty_like(bias)
             bias.grad.copy_(p[:, :, -1].reshape(-1))

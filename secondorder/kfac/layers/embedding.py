@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import KFACLayer, spd_inverse, sym_eigh
+from .base import KFACLayer
+from .linalg import spd_inverse, sym_eigh
 
 __all__ = ["EmbeddingLayer"]
 
@@ -58,12 +59,9 @@ class EmbeddingLayer(KFACLayer):
             counts[pad] = 0.0
         return counts.unsqueeze(0), rows
 
-    def add_a(self, x: Tensor) -> None:  # noqa: D102
-        # indices are integers: count them without casting to the factor dtype first
-        s, rows = self.a_stats(x.detach())
-        self.a_sum = s if self.a_sum is None else self.a_sum + s
-        self.a_rows += rows
-        self.forward_calls += 1
+    def a_input(self, x: Tensor) -> Tensor:  # noqa: D102
+        # indices are integers: counted without casting to the factor dtype first
+        return x.detach()
 
     def g_stats(self, g: Tensor) -> Tensor:  # noqa: D102
         g = g.reshape(-1, g.shape[-1])
@@ -83,24 +81,30 @@ class EmbeddingLayer(KFACLayer):
             return {"dA": (1, self.num), "QG": (1, self.dim, self.dim), "dG": (1, self.dim)}
         return {"A_inv": (1, self.num), "G_inv": (1, self.dim, self.dim)}
 
-    def decompose(  # noqa: D102
-        self, method: str, damping: float, dtype: torch.dtype, uses: int = 1
-    ) -> None:
-        if self.A is None or self.G is None:
-            self.A, self.G = self.identity_factors()
+    def decomposition(  # noqa: D102
+        self,
+        method: str,
+        damping: float,
+        dtype: torch.dtype,
+        uses: int = 1,
+        factors: tuple[Tensor, Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        a, g = self._factors(factors)
         if method == "eigen":
-            dG, QG = sym_eigh(self.G, dtype)
-            self.inv = {"dA": self.A.to(dtype).clamp(min=0.0), "QG": QG, "dG": dG}
+            dG, QG = sym_eigh(g, dtype)
+            inv = {"dA": a.to(dtype).clamp(min=0.0), "QG": QG, "dG": dG}
         else:
             eye = torch.eye(self.dim, dtype=dtype, device=self.device)
-            self.inv = {
-                "A_inv": 1.0 / (self.A.to(dtype) + damping),
-                "G_inv": spd_inverse(self.G.to(dtype) + damping * eye),
+            inv = {
+                "A_inv": 1.0 / (a.to(dtype) + damping),
+                "G_inv": spd_inverse(g.to(dtype) + damping * eye),
             }
-        self._contiguous()
+        return self.contiguous(inv)
 
-    def precondition(self, grad: Tensor, method: str, damping: float) -> Tensor:  # noqa: D102
-        inv = self.inv
+    def precondition(  # noqa: D102
+        self, grad: Tensor, method: str, damping: float, inv: dict[str, Tensor] | None = None
+    ) -> Tensor:
+        inv = self.inv if inv is None else inv
         if method == "eigen":
             dA, QG, dG = inv["dA"], inv["QG"], inv["dG"]
             v = QG.mT @ grad.to(QG.dtype)

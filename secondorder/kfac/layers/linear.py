@@ -1,7 +1,10 @@
 """``nn.Linear``: ``a`` is the input row (and a 1 for the bias), ``g`` the output gradient.
 
 Inputs with extra dimensions ``(N, ..., in)`` (tokens of a sequence) count each
-position as one row of A and add its gradient to the sample's G, as convolutions do.
+position as one row of A and add its gradient to the sample's G, as convolutions do;
+an unbatched input ``(in,)`` is one sample.  A bias that is frozen when K-FAC is built
+is left out of the factors: the weight's block is then the Fisher block of the
+trainable parameters.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ class LinearLayer(KroneckerLayer):
     def __init__(self, name: str, module: nn.Linear, factor_dtype: torch.dtype | None) -> None:
         super().__init__(name, module, factor_dtype)
         self.linear = module
-        self.has_bias = module.bias is not None
+        self.has_bias = module.bias is not None and module.bias.requires_grad
         self.n_in = module.in_features + int(self.has_bias)
         self.n_out = module.out_features
 
     def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:  # noqa: D102
         return (1, self.n_in, self.n_in), (1, self.n_out, self.n_out)
+
+    def batch_size(self, x: Tensor) -> int:  # noqa: D102
+        return 1 if x.ndim == 1 else int(x.shape[0])
 
     def a_rows_of(self, x: Tensor) -> Tensor:  # noqa: D102
         return x.reshape(1, -1, x.shape[-1])
@@ -50,9 +56,8 @@ class LinearLayer(KroneckerLayer):
         weight = self.linear.weight
         assert weight.grad is not None
         weight.grad.copy_(p[:, : weight.shape[1]])
-        if self.has_bias:
-            bias = self.linear.bias
-            assert bias is not None
+        bias = self.linear.bias
+        if self.has_bias and bias is not None and bias.requires_grad:
             if bias.grad is None:
                 bias.grad = torch.empty_like(bias)
             bias.grad.copy_(p[:, -1])

@@ -1,0 +1,108 @@
+"""Ranks that fail together: one small all-reduce decides whether a step goes on.
+
+A K-FAC step mixes local work (hook checks, folding the factors, the decompositions a
+rank owns, preconditioning) with collectives (the factor all-reduce, the broadcasts of
+decompositions and preconditioned gradients).  If one rank raised in its local work
+and the others went on, they would wait in the next collective for a rank that never
+comes, or pair it with a different one.  So before each collective that follows local
+work, every rank reports whether that work failed, and the step's settings, in one
+row of a ``world × (1 + settings)`` table that an all-reduce of the ranks' rows (zeros
+elsewhere) assembles exactly.  Every rank reads the same table and takes the same
+branch: all go on, or all raise before anything is committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..distributed import Reducer
+
+if TYPE_CHECKING:
+    from .config import KFACConfig
+    from .layers import KFACLayer
+
+__all__ = ["OtherRankError", "agree", "shared_settings"]
+
+
+class OtherRankError(RuntimeError):
+    """Another rank's part of the step raised; this rank refused the step with it."""
+
+
+def agree(
+    reducer: Reducer,
+    error: Exception | None,
+    settings: Mapping[str, float],
+    device: torch.device,
+    what: str,
+) -> None:
+    """Raise on every rank if any rank's ``error`` is set or the ``settings`` differ.
+
+    A rank that failed re-raises its own error; the others raise
+    :class:`OtherRankError` naming the ranks that failed.  Settings are compared
+    exactly (each rank's row is summed with zeros only); their names and number must
+    be the same on every rank.  On one process this re-raises ``error`` and returns.
+    """
+    world, rank = reducer.world_size, reducer.rank
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    names = list(settings)
+    table = torch.zeros(world, 1 + len(names), dtype=torch.float64, device=device)
+    table[rank, 0] = 0.0 if error is None else 1.0
+    if error is None and names:
+        table[rank, 1:] = torch.tensor([float(settings[n]) for n in names], dtype=torch.float64)
+    reducer.sum_([table])
+    rows = table.cpu().tolist()
+    failed = [r for r in range(world) if rows[r][0] != 0.0]
+    if failed:
+        if error is not None:
+            raise error
+        raise OtherRankError(
+            f"{what} failed on rank(s) {failed} of {world} (see the error there); every "
+            "rank refused the step, so the factors, decompositions, gradients and step "
+            "count are as before it on every rank."
+        )
+    differ = []
+    for j, name in enumerate(names, start=1):
+        values = [rows[r][j] for r in range(world)]
+        if any(v != values[0] for v in values[1:]):
+            by_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            differ.append(f"{name} differs ({by_rank})")
+    if differ:
+        raise ValueError(
+            f"{what}: the settings must be the same on all {world} ranks, but "
+            f"{'; '.join(differ)}. Every rank refused the step; nothing changed."
+        )
+
+
+def shared_settings(config: KFACConfig, layers: Mapping[str, KFACLayer], k: int) -> dict[str, Any]:
+    """What the ranks must agree on when K-FAC is built (``Reducer.check_agree``).
+
+    Everything that decides which collectives a step makes and what they carry (layer
+    shapes, packing, the factor and inverse schedules) or what the ranks compute from
+    the same sums (damping, decay, the clip): a difference would kill a rank (gloo
+    aborts on a size mismatch), stall them all, or let their parameters drift apart.
+    A callable is compared at every step, by value (:func:`agree`).
+    """
+    scheduled = ["damping", "factor_decay", "kl_clip", "lr"]
+    scheduled += ["factor_update_steps", "inv_update_steps"]
+    out: dict[str, Any] = {
+        "layers": list(layers),
+        "layer shapes": [[layer.kind, *layer.factor_shapes()] for layer in layers.values()],
+        "grad_workers": k,
+        "compute_method": config.compute_method,
+        "symmetry_aware": config.symmetry_aware,
+        "factor dtypes": [str(layer.factor_dtype) for layer in layers.values()],
+        "inv_dtype": str(config.inv_dtype),
+        "accumulation_steps": config.accumulation_steps,
+        "loss_reduction": config.loss_reduction,
+        "assignment_strategy": config.assignment_strategy,
+    }
+    for name in scheduled:
+        value = getattr(config, name)
+        out[name] = "<callable>" if callable(value) else value
+    return out

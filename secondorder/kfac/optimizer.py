@@ -29,6 +29,7 @@ class KFACOptimizer(torch.optim.SGD):
     and adapts λ by :class:`~secondorder.kfac.damping.LMDampingRule` from the ratio of
     the actual to the predicted reduction ``∇ᵀδ + ½δᵀ(A⊗G + λI)δ`` (plain-gradient
     parameters contribute ``∇ᵀδ + ½λ‖δ‖²``).  The new λ applies to the next step.
+    On several ranks the closure's losses (one per shard) are averaged across them.
 
     Args:
         model: the model.
@@ -86,14 +87,14 @@ class KFACOptimizer(torch.optim.SGD):
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if adapt:
             assert closure is not None
-            loss_before = float(closure())
+            loss_before = self._global_loss(closure)
             raw = [p.grad.clone() for p in params]
             before = [p.detach().clone() for p in params]
         self.kfac.step()
         super().step()
         if adapt:
             assert self.rule is not None and closure is not None
-            loss_after = float(closure())
+            loss_after = self._global_loss(closure)
             deltas = {p: p.detach() - b for p, b in zip(params, before, strict=True)}
             predicted = self._predicted(params, raw, deltas)
             rho = self.rule.ratio(loss_before, loss_after, predicted)
@@ -101,6 +102,17 @@ class KFACOptimizer(torch.optim.SGD):
             self.kfac.damping_override = self.rule.update(self.kfac.damping, rho)
             return loss_before
         return None
+
+    def _global_loss(self, closure: Callable[[], Any]) -> float:
+        # Each rank's closure gives its shard's loss; λ is decided from their mean
+        # (the loss of the global batch for equal shards), so every rank adapts it
+        # alike (K-FAC refuses a step whose λ differs between ranks).
+        loss = torch.tensor([float(closure())], dtype=torch.float64, device=self.kfac._device)
+        reducer = self.kfac.reducer
+        if reducer.world_size > 1:
+            reducer.sum_([loss])
+            loss /= reducer.world_size
+        return float(loss)
 
     def _predicted(
         self, params: list[Tensor], raw: list[Tensor], deltas: dict[Tensor, Tensor]

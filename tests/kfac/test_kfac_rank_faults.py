@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from secondorder.kfac import KFAC
+from secondorder.kfac import KFAC, KFACOptimizer
 from secondorder.testing import run_ranks
 from tests.kfac.faults import Fault, same, state_of
 
@@ -43,7 +43,7 @@ def backprop(net: nn.Module, i: int, rank: int, world: int) -> None:
     net.zero_grad()
     (0.5 * (net(x) - y).pow(2).sum(1).mean()).backward()
     for p in net.parameters():
-        if p.grad is not None:
+        if p.grad is not None and world > 1:
             dist.all_reduce(p.grad)
             p.grad /= world
 
@@ -149,6 +149,34 @@ def step_settings(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def adaptive(rank: int, world: int) -> dict[str, Any]:
+    """KFACOptimizer with adaptive damping: λ from the mean of the ranks' shard losses."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    opt = KFACOptimizer(
+        net, lr=0.1, adaptive_damping=True, damping_adaptation_interval=1, damping=0.1,
+        inv_dtype=DT,
+    )  # fmt: skip
+    dampings = []
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 4, generator=g, dtype=DT), torch.randn(8, 3, generator=g, dtype=DT)
+        b = 8 // world
+        x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
+        opt.zero_grad()
+        (0.5 * (net(x) - y).pow(2).sum(1).mean()).backward()
+        for p in net.parameters():
+            if world > 1:
+                dist.all_reduce(p.grad)  # type: ignore[arg-type]
+                p.grad /= world  # type: ignore[operator]
+        opt.step(lambda x=x, y=y: 0.5 * (net(x) - y).pow(2).sum(1).mean())
+        dampings.append(opt.kfac.damping)
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+        "dampings": dampings,
+    }
+
+
 def job(rank: int, world: int) -> dict[str, Any]:
     return {
         "construction": construction(rank, world),
@@ -157,6 +185,7 @@ def job(rank: int, world: int) -> dict[str, Any]:
         "comm-inverse": step_fault(rank, world, 1.0, "inverse"),
         "local check": local_check(rank, world),
         "step settings": step_settings(rank, world),
+        "adaptive": adaptive(rank, world),
     }
 
 
@@ -220,3 +249,16 @@ def test_settings_that_differ_at_a_step_are_refused_on_every_rank(
         kind, message = r["gradients"]
         assert kind == "ValueError" and "layers with a gradient" in message, message
         assert r["damping unchanged"] and r["gradients unchanged"]
+
+
+def test_adaptive_damping_agrees_across_ranks_and_equals_one_process(
+    results: dict[int, Any],
+) -> None:
+    # each rank's closure sees its shard: λ is adapted from the mean of their losses,
+    # so the ranks keep one λ (K-FAC would refuse a step whose λ differs)
+    r0, r1 = results[0]["adaptive"], results[1]["adaptive"]
+    assert torch.equal(r0["params"], r1["params"]) and r0["dampings"] == r1["dampings"]
+    ref = adaptive(0, 1)
+    assert r0["dampings"] == ref["dampings"]
+    assert len(set(ref["dampings"])) > 1  # λ did adapt
+    torch.testing.assert_close(r0["params"], ref["params"], rtol=1e-10, atol=1e-12)

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from .layers import ConvLayer, EmbeddingLayer, KFACLayer, LinearLayer
 
-__all__ = ["FUNCTIONAL_PARENTS", "SUPPORTED_MODULES", "discover_layers", "make_layer"]
+__all__ = [
+    "FUNCTIONAL_PARENTS",
+    "SUPPORTED_MODULES",
+    "check_model_and_scaler",
+    "discover_layers",
+    "make_layer",
+]
 
 #: Module classes K-FAC preconditions; everything else keeps its plain gradient.
 SUPPORTED_MODULES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
@@ -163,3 +170,14 @@ def _check_untied(model: nn.Module, layers: dict[str, KFACLayer]) -> None:
                     "write winning. Pass skip_layers with every module that shares it to "
                     "keep its plain gradient (or share it by calling one module twice)."
                 )
+
+
+def check_model_and_scaler(model: Any, grad_scaler: Any) -> None:
+    """Raise unless ``model`` is a module and ``grad_scaler`` a GradScaler, a callable or None."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") or callable(grad_scaler)):
+        raise TypeError(
+            f"Invalid grad_scaler={grad_scaler!r}: must be a torch.amp.GradScaler or a "
+            "callable returning the current loss scale."
+        )

@@ -19,7 +19,7 @@ from .agreement import agree, shared_settings
 from .assignment import WorkAssignment, assign_work, factor_cost
 from .checkpoint import check_counters, check_layers_state, layers_state, load_layers
 from .config import KFACConfig
-from .discovery import SUPPORTED_MODULES, discover_layers
+from .discovery import SUPPORTED_MODULES, check_model_and_scaler, discover_layers
 from .hooks import StatsCapture, check_calls
 from .layers import KFACLayer
 from .packing import all_finite, pack_upper, unpack_upper
@@ -51,18 +51,22 @@ class KFAC:
     ``B²`` times its.  So ``damping=B²·λ, kl_clip=B²·c`` at the same lr reproduces a
     KAISA run (damping λ, kl_clip c) exactly whenever our clip is active (KAISA's
     ν < 1/B²); without clipping, use ``lr·B²`` instead.  Dimension 0 of a layer's input
-    is the batch.  A layer called several times in one call of the model (weight sharing)
-    counts its calls as more positions of the same samples, as one call over stacked
-    inputs would; every training-mode forward must be backpropagated before
-    :meth:`step` (wrap metrics in ``torch.no_grad()``), and calls inside ``torch.func``
-    transforms are not captured.
+    is the batch (an unbatched input is one sample).  A layer called several times in
+    one call of the model (weight sharing) counts its calls as more positions of the
+    same samples, as one call over stacked inputs would; a call enters the factors
+    when its output's gradient arrives, so forwards that are not backpropagated
+    (metrics, a pass abandoned after an error) leave them alone, and calls inside
+    ``torch.func`` transforms are not captured.
 
     Distribution (``torch.distributed`` through a :class:`~secondorder.distributed.Reducer`):
     every rank must hold the gradient of the global batch (DDP, or an all-reduce of its
     own) before :meth:`step`.  The factor statistics are summed over ranks, so W ranks
     equal one process on the concatenated batch; each layer's decomposition is done by
     one rank (:func:`~secondorder.kfac.assignment.assign_work`) and shared according to
-    ``grad_worker_fraction`` (COMM-OPT 1, MEM-OPT 1/W, HYBRID-OPT between).
+    ``grad_worker_fraction`` (COMM-OPT 1, MEM-OPT 1/W, HYBRID-OPT between).  The ranks
+    agree on every setting when K-FAC is built, and at each step (two small
+    all-reduces) that none of them failed and that the step's values match: a failure
+    or a difference on one rank makes every rank raise, with nothing changed.
 
     Args:
         model: the model (or a DDP wrapper); its supported submodules get hooks.
@@ -118,7 +122,7 @@ class KFAC:
             symmetry_aware=symmetry_aware,
             loss_reduction=loss_reduction,
         )
-        _check_model_and_scaler(model, grad_scaler)
+        check_model_and_scaler(model, grad_scaler)
         self.grad_scaler = grad_scaler
         layers, skipped = discover_layers(
             model, modules, self.config.skip_layers, self.config.factor_dtype
@@ -491,13 +495,3 @@ class KFAC:
         self.damping_override = None if override is None else float(override)
         self.skipped_factor_updates = int(state.get("skipped_factor_updates", 0))
         self._capture.capturing = capturing
-
-
-def _check_model_and_scaler(model: Any, grad_scaler: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") or callable(grad_scaler)):
-        raise TypeError(
-            f"Invalid grad_scaler={grad_scaler!r}: must be a torch.amp.GradScaler or a "
-            "callable returning the current loss scale."
-        )

@@ -474,18 +474,23 @@ class KFAC:
             "layers": layers_state(self.layers),
         }
 
-    def check_state_dict(self, state: Any) -> None:
+    def check_state_dict(self, state: Any, recompute: bool = False) -> None:
         """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
         check_counters(state)
         steps = state["steps"]
         asg, rank = self.assignment, self.reducer.rank
-        recomputes = steps % self.config.at("inv_update_steps", steps) == 0
+        recomputes = recompute or steps % self.config.at("inv_update_steps", steps) == 0
         needs = set() if recomputes else {n for n in self.layers if asg.is_grad_worker(n, rank)}
         check_layers_state(state["layers"], self.layers, self.config.compute_method, needs)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; every entry is checked before any is set."""
-        self.check_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], recompute: bool = False) -> None:
+        """Restore :meth:`state_dict`'s output; every entry is checked before any is set.
+
+        ``recompute=True`` recomputes every loaded layer's decomposition from its
+        factors, at the loaded step's damping, so a state saved without decompositions
+        (kfac-pytorch's, or one rank's) resumes at any step.
+        """
+        self.check_state_dict(state, recompute)
         # read before assigning: a callable factor_update_steps may refuse the step count
         steps = int(state["steps"])
         capturing = steps % self.config.at("factor_update_steps", steps) == 0
@@ -495,3 +500,9 @@ class KFAC:
         self.damping_override = None if override is None else float(override)
         self.skipped_factor_updates = int(state.get("skipped_factor_updates", 0))
         self._capture.capturing = capturing
+        if recompute:
+            method, damping = self.config.compute_method, self.damping
+            uses = int(self.config.at("inv_update_steps", steps))
+            for layer in self.layers.values():
+                if layer.A is not None:
+                    layer.decompose(method, damping, self.config.inv_dtype, uses)

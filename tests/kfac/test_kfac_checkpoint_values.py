@@ -179,6 +179,23 @@ def test_missing_decomposition_at_a_step_that_uses_it_is_refused(layer: str) -> 
     assert k.steps == 10
 
 
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_recompute_rebuilds_missing_decompositions_from_the_loaded_factors(method: str) -> None:
+    # kfac-pytorch's checkpoints hold factors only; recompute=True decomposes them
+    source_net, source = make(method, inv_update_steps=10)
+    train(source_net, source, range(3))
+    state = source.state_dict()
+    for name in ("0", "2"):
+        state = damaged(state, name, "factor", "inv", {})
+    _, k = make(method, inv_update_steps=10)
+    k.load_state_dict(state, recompute=True)
+    assert k.steps == 3
+    for name, layer in k.layers.items():
+        expected = source.layers[name].decomposition(method, 0.1, DT, 10)
+        assert layer.inv.keys() == expected.keys()
+        assert all(torch.equal(layer.inv[key], expected[key]) for key in expected)
+
+
 def test_good_checkpoint_resumes_bitwise_and_loads_onto_the_layers_dtype() -> None:
     ref_net, ref = make(inv_update_steps=2)
     train(ref_net, ref, range(5))

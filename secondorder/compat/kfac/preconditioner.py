@@ -421,24 +421,19 @@ class KFACPreconditioner:
             native["layers"] = {
                 name: self._native_entry(name, entry) for name, entry in layers.items()
             }
-        self.kfac.check_state_dict(native)
+        recompute = compute_inverses and layers is not None
+        self.kfac.check_state_dict(native, recompute)
         for name in SCHEDULED:
             if name in state_dict:
                 setattr(self, "_" + name, state_dict[name])
         self._f_steps = {}
-        self.kfac.load_state_dict(native)
+        self.kfac.load_state_dict(native, recompute)
         if layers is None and compute_inverses:
             warnings.warn(
                 "Layer factors are not included in the state_dict, so the decompositions "
                 "cannot be recomputed; they are recomputed at the next inverse update.",
                 stacklevel=2,
             )
-            return
-        if compute_inverses:
-            method = self.compute_method.name.lower()
-            for layer in self.kfac.layers.values():
-                if layer.A is not None:
-                    layer.decompose(method, self.damping, self.inv_dtype, self.inv_update_steps)
 
     def _native_entry(self, name: str, entry: Any) -> dict[str, Any]:
         if name not in self.kfac.layers:

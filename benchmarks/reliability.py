@@ -2,16 +2,16 @@
 
     python -m benchmarks.reliability [--slow]
 
-Runs pytest on the reliability test files below (without the ``slow`` ones unless
-``--slow``) with a small plugin that notes, for every test case, how it judges the
-library: a case that enters ``pytest.raises`` checks an error (a refusal of bad input, or
-an interrupt that must propagate and leave the state as it was: the exception's type
-and message, then whatever the case asserts after it), one that enters
-``pytest.warns`` a warning, and
-any other case compares a result with a reference (``torch.func``, scipy, a fresh
-optimizer, one process on the concatenated batch, NIST's certified values, ...).
-Prints the counts per file and in all, with pytest's outcome of each case, so the
-README's figures come from this command on the current code.
+Runs pytest on the reliability test files below, grouped by family (without the
+``slow`` ones unless ``--slow``), with a small plugin that notes, for every test case,
+how it judges the library: a case that enters ``pytest.raises`` checks an error (a
+refusal of bad input, or an interrupt that must propagate and leave the state as it
+was: the exception's type and message, then whatever the case asserts after it), one
+that enters ``pytest.warns`` a warning, and any other case compares a result with a
+reference (``torch.func``, scipy, a fresh optimizer, one process on the concatenated
+batch, NIST's certified values, ...). Prints the counts per file, per family and in
+all, with pytest's outcome of each case, so the README's figures come from this
+command on the current code.
 """
 
 from __future__ import annotations
@@ -24,24 +24,39 @@ from typing import Any
 
 import pytest
 
-#: The files behind the README's Reliability section.
-FILES = (
-    "tests/lm/test_hardening.py",
-    "tests/lm/test_properties.py",
-    "tests/lm/test_coupling.py",
-    "tests/lm/test_model_kinds.py",
-    "tests/lm/test_lm_trust.py",
-    "tests/lm/test_checkpoint.py",
-    "tests/lm/test_step_interrupt.py",
-    "tests/lm/test_step_inputs.py",
-    "tests/lm/test_narrow_overflow.py",
-    "tests/fitting/test_fitting_trust.py",
-    "tests/fitting/test_nist_strd.py",
-    "tests/training/test_fit_checks.py",
-    "tests/distributed/test_distributed_faults.py",
-    "tests/distributed/test_rank_agreement.py",
-    "tests/distributed/test_settings_agree.py",
-)
+#: The files behind the README's Reliability section, by family.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "Levenberg-Marquardt and fitting": (
+        "tests/lm/test_hardening.py",
+        "tests/lm/test_properties.py",
+        "tests/lm/test_coupling.py",
+        "tests/lm/test_model_kinds.py",
+        "tests/lm/test_lm_trust.py",
+        "tests/lm/test_checkpoint.py",
+        "tests/lm/test_step_interrupt.py",
+        "tests/lm/test_step_inputs.py",
+        "tests/lm/test_narrow_overflow.py",
+        "tests/fitting/test_fitting_trust.py",
+        "tests/fitting/test_nist_strd.py",
+        "tests/training/test_fit_checks.py",
+        "tests/distributed/test_distributed_faults.py",
+        "tests/distributed/test_rank_agreement.py",
+        "tests/distributed/test_settings_agree.py",
+    ),
+    "K-FAC": (
+        "tests/kfac/test_kfac_atomic.py",
+        "tests/kfac/test_kfac_abandoned_pass.py",
+        "tests/kfac/test_kfac_checkpoint_values.py",
+        "tests/kfac/test_kfac_layer_checks.py",
+        "tests/kfac/test_kfac_half_and_lr.py",
+        "tests/kfac/test_kfac_rank_faults.py",
+    ),
+    "Shampoo and SOAP": (
+        "tests/shampoo/test_shampoo_faults.py",
+        "tests/shampoo/test_shampoo_distributed_faults.py",
+    ),
+}
+FILES = tuple(path for paths in FAMILIES.values() for path in paths)
 
 
 class Census:
@@ -106,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---:|---:|---:|---:|---:|")
     total: collections.Counter[str] = collections.Counter()
-    for path in FILES:
-        c = rows.get(path, collections.Counter())
-        total.update(c)
-        line = _row(path, c, keys)
-        print(line)
+    for family, paths in FAMILIES.items():
+        subtotal: collections.Counter[str] = collections.Counter()
+        for path in paths:
+            c = rows.get(path, collections.Counter())
+            subtotal.update(c)
+            print(_row(path, c, keys))
+        total.update(subtotal)
+        print(_row(f"*{family}*", subtotal, keys))
     print(_row("**all**", total, keys))
     return int(status)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import secondorder as so
-import secondorder.lm.choices as choices_module
+import secondorder.lm.choices.plans as plans_module
 from secondorder.lm.choices import PLAN_RECHECK_STEPS
 from secondorder.lm.planner import MemoryPlan, available_range, plan_memory
 from tests.lm.unchanged import assert_unchanged, state_of
@@ -70,7 +70,7 @@ def whole_model(model: Callable[[Tensor], Tensor], x: Tensor, y: Tensor) -> Tens
 def uncached(opt: so.LevenbergMarquardt) -> None:
     """Empty both caches: the next step takes the path without them."""
     opt._probes.clear()
-    opt._choices.plans.clear()
+    opt._choices.memory.kept.clear()
 
 
 CASES: dict[str, tuple[Callable[[], nn.Module], Any, dict[str, Any], Callable[..., Any]]] = {
@@ -121,7 +121,7 @@ def test_steps_with_the_caches_equal_steps_without_them_bitwise(case):
     # Two signatures: every step after the first of each was served by the caches.
     assert opt._probes.hits == len(batches) - 2
     assert ref._probes.hits == 0
-    assert len(opt._choices.plans) == 2
+    assert len(opt._choices.memory.kept) == 2
 
 
 def _decisions(plan: MemoryPlan) -> MemoryPlan:
@@ -361,7 +361,7 @@ def test_the_plan_follows_the_batch_shape_and_equals_a_fresh_plan():
         assert opt.memory_plan is not None and opt.memory_plan.samples == size
         slices[size] = opt.memory_plan.slice_size
     assert slices == {64: 30, 9: 9, 33: 33}
-    assert len(opt._choices.plans) == 3
+    assert len(opt._choices.memory.kept) == 3
     # plan() on a kept shape returns the kept plan.
     x, y = batch(64, 0)
     other = so.LevenbergMarquardt(mlp(), memory_limit=limit, form="primal")
@@ -420,12 +420,12 @@ class FakeMemory:
 
 def test_free_memory_is_read_again_on_schedule_and_a_drop_replans(monkeypatch):
     fake = FakeMemory(10**12)
-    monkeypatch.setattr(choices_module, "available_memory", fake)
+    monkeypatch.setattr(plans_module, "available_memory", fake)
     x, y = batch(64, 1)
     opt = so.LevenbergMarquardt(mlp(), form="primal", jacobian="forward")
     opt.step(x, y)
     assert fake.reads == 1
-    kept = next(iter(opt._choices.plans.values()))
+    kept = next(iter(opt._choices.memory.kept.values()))
     assert kept.high is None and kept.low <= kept.plan.available_bytes // 2
     for _ in range(PLAN_RECHECK_STEPS - 1):
         opt.step(x, y)
@@ -443,7 +443,7 @@ def test_free_memory_is_read_again_on_schedule_and_a_drop_replans(monkeypatch):
     assert plan is not None and plan.slice_size < 64
     assert plan == fresh.plan(x, y)
     # Now the plan needs more than half of the free memory: read on every use.
-    kept = next(iter(opt._choices.plans.values()))
+    kept = next(iter(opt._choices.memory.kept.values()))
     assert kept.plan.available_bytes is not None
     assert kept.low > kept.plan.available_bytes // 2
     reads = fake.reads

@@ -10,23 +10,23 @@ would otherwise compare losses over different residuals).  ``linearize`` walks t
 batch slice by slice, reduces the slices' sums into one
 :class:`~secondorder.lm.linalg.NormalEquations` record (through the reducer, the only
 stage that talks to other processes), and keeps J's rows only where the dual form or
-the solver needs them.
+the solver needs them.  The geodesic acceleration's ``r_vv`` is :mod:`.geodesic`'s.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import jvp, vjp
 from torch.utils._pytree import tree_flatten
 
 from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
+from .geodesic import second_directional
 from .jacobian import FactorGram, JacobianStrategy, ResidualProgram, record_trial
 from .kfac_cg import KroneckerStats, kronecker_blocks, slice_statistics
 from .linalg import LinearSolver, NormalEquations, gram_update
@@ -494,88 +494,5 @@ class ModelProblem:
     def second_directional(
         self, x: Tensor, v: Tensor, system: NormalEquations
     ) -> tuple[Tensor, Tensor | None]:
-        """``(Jᵀr_vv, r_vv)``, ``r_vv`` the second derivative of r along ``v`` (geodesic).
-
-        A rank whose model raises here joins the reduction with zeros and a failure
-        flag, as in :meth:`linearize`: every rank raises.
-        """
-        error: Exception | None = None
-        try:
-            b, w = self._second_directional(x, v, system)
-        except Exception as exc:
-            error = self.reducer.hold(exc)
-            b, w = self._zero_second_directional(x, system)
-        failed = torch.tensor([float(error is not None)], dtype=b.dtype, device=b.device)
-        what = "computing the geodesic acceleration"
-        if system.jac is not None and not self.rows_sharded:
-            # J holds every rank's rows: gather r_vv the same way (its flag in a second
-            # column, on a rank's first row), and Jᵀr_vv is then the global product.
-            flags = torch.zeros_like(w)
-            flags[:1] = failed
-            w, flags = self.reducer.gather_rows_together([w, flags])
-            self.reducer.raise_together(error, flags.sum(), what)
-            return system.jac.T @ w.to(system.jac.dtype), w
-        # Each rank's share of Jᵀr_vv is summed; the flag rides with it.
-        packed = torch.cat([b, failed])
-        self.reducer.sum_([packed])
-        self.reducer.raise_together(error, packed[-1], what)
-        return packed[:-1], w
-
-    def _second_directional(
-        self, x: Tensor, v: Tensor, system: NormalEquations
-    ) -> tuple[Tensor, Tensor]:
-        """``(Jᵀr_vv, r_vv)`` on this rank: ``r_vv`` of its rows, ``Jᵀr_vv`` not yet reduced.
-
-        When J holds every rank's rows, ``Jᵀr_vv`` is left to the caller (zeros here).
-        """
-        group = self.group
-        points = self.function.points(x)
-        tangents = [self.unflatten(vk) for vk in group.replicate(v)]
-        rvvs: list[Tensor] = []
-        b = torch.zeros_like(x)
-        with self.function.frozen():
-            for k, inputs, targets in group.stage(self.slices()):
-                params, tangent = points[k], tangents[k]
-
-                def f(
-                    p: dict[str, Tensor],
-                    inputs: Any = inputs,
-                    targets: Any = targets,
-                    ev: ModelEvaluator = self.replicas[k],
-                ) -> Tensor:
-                    return ev.batch(p, inputs, targets)
-
-                def jv(
-                    p: dict[str, Tensor],
-                    f: Callable[..., Tensor] = f,
-                    tangent: dict[str, Tensor] = tangent,
-                ) -> Tensor:
-                    out: Tensor = jvp(f, (p,), (tangent,))[1]
-                    return out
-
-                with group.on(k):
-                    rvv = jvp(jv, (params,), (tangent,))[1].detach()
-                    if system.jac is None:
-                        (ct,) = vjp(f, params)[1](rvv)
-                        part = torch.cat([ct[name].reshape(-1) for name in self.names]).detach()
-                rvvs.append(group.gather(rvv))
-                if system.jac is None:
-                    b += group.gather(part)
-        w = torch.cat(rvvs)
-        if system.jac is not None and self.rows_sharded:
-            b = system.jac.T @ w.to(system.jac.dtype)
-        return b, w
-
-    def _zero_second_directional(self, x: Tensor, system: NormalEquations) -> tuple[Tensor, Tensor]:
-        """What a rank whose model raised brings to :meth:`second_directional`'s reduction.
-
-        ``Jᵀr_vv`` as zeros of its dtype, and as many zero rows of ``r_vv`` as this rank
-        had residuals at the linearisation (at least one, to carry the flag).
-        """
-        jac = system.jac
-        dtype = jac.dtype if jac is not None and self.rows_sharded else x.dtype
-        rows = max(sum(self.slice_counts or []), 1)
-        return (
-            torch.zeros(self.n, dtype=dtype, device=x.device),
-            torch.zeros(rows, dtype=x.dtype, device=x.device),
-        )
+        """``(Jᵀr_vv, r_vv)``: :func:`~secondorder.lm.geodesic.second_directional`."""
+        return second_directional(self, x, v, system)

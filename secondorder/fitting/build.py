@@ -14,11 +14,10 @@ import torch
 from torch import Tensor
 
 from .bounds import BoxTransform
+from .differences import NumpyDifference, check_sparsity
 from .functions import (
     CallCounter,
-    NumpyDifference,
     auto_mode,
-    check_sparsity,
     flat_residuals,
     jacobian_function,
     numpy_residuals,

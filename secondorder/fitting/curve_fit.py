@@ -5,46 +5,35 @@ r"""Curve fitting with scipy's interface: ``ydata ≈ f(xdata, *params)``.
 :func:`~secondorder.fitting.least_squares` with residuals ``W (f(xdata, *p) - ydata)``,
 ``W = diag(1/sigma)`` or ``L⁻¹`` for a covariance ``sigma = L Lᵀ``: a model function
 written with torch operations is differentiated exactly, one written with NumPy gets
-finite differences.  The covariance of the result is explained in :mod:`.report`, whose
-:func:`covariance`, :func:`standard_errors`, :func:`correlation` and :func:`fit_report`
-are importable from here too (the old module path).
+finite differences.  The covariance of the result is explained in :mod:`.report`.
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from .arrays import as_float64
 from .bounds import parse_bounds
-from .least_squares import least_squares
-from .report import (
-    FitReport,
-    correlation,
-    covariance,
-    fit_report,
-    pivoted_qr,
-    standard_errors,
+from .curve_model import (
+    data,
+    jacobian_on_arrays,
+    jacobian_on_tensors,
+    residuals_on_arrays,
+    residuals_on_tensors,
+    torch_friendly,
+    weighting,
 )
+from .least_squares import least_squares
+from .report import covariance, pivoted_qr
 
-__all__ = [
-    "FitReport",
-    "correlation",
-    "covariance",
-    "curve_fit",
-    "fit_report",
-    "standard_errors",
-]
+__all__ = ["curve_fit"]
 
 METHODS = (None, "lm", "trf", "dogbox")
-
-Weight = Callable[[Tensor], Tensor]
 
 
 def curve_fit(
@@ -132,28 +121,28 @@ def curve_fit(
     lb, ub = parse_bounds(bounds, _parameter_count(f, p0))
     p = _initial_parameters(f, p0, lb, ub)
     method = _method(method, lb, ub, kwargs)
-    y, x, sigma = _data(xdata, ydata, sigma, check_finite=check_finite, nan_policy=nan_policy)
+    y, x, sigma = data(xdata, ydata, sigma, check_finite=check_finite, nan_policy=nan_policy)
     if method == "lm" and y.numel() != 1 and p.numel() > y.numel():
         raise TypeError(
             f"The number of func parameters={p.numel()} must not exceed the number of data "
             f"points={y.numel()} with method='lm' (as in scipy): pass fewer parameters or "
             "more data, or method='trf'"
         )
-    weight = _weighting(sigma, y.numel())
-    use_torch = _torch_friendly(f, x, p)
+    weight = weighting(sigma, y.numel())
+    use_torch = torch_friendly(f, x, p)
     residuals: Callable[[Any], Any]
     ls_jac: str | Callable[..., Any] = "auto"
     x_start: Any
     if use_torch:
-        residuals, x_start = _torch_residuals(f, x, y, weight), p
+        residuals, x_start = residuals_on_tensors(f, x, y, weight), p
         if callable(jac):
-            ls_jac = _torch_jacobian(jac, x, weight, shape=(y.numel(), p.numel()))
+            ls_jac = jacobian_on_tensors(jac, x, weight, shape=(y.numel(), p.numel()))
         elif jac is not None:
             ls_jac = jac
     else:
-        residuals, x_start = _numpy_residuals(f, x, y, weight), p.numpy()
+        residuals, x_start = residuals_on_arrays(f, x, y, weight), p.numpy()
         if callable(jac):
-            ls_jac = _numpy_jacobian(jac, x, weight, shape=(y.numel(), p.numel()))
+            ls_jac = jacobian_on_arrays(jac, x, weight, shape=(y.numel(), p.numel()))
         elif jac is not None:
             ls_jac = jac
     res = least_squares(residuals, x_start, jac=ls_jac, bounds=(lb, ub), method=method, **kwargs)
@@ -283,201 +272,6 @@ def _initial_parameters(
     if p.ndim != 1 or p.numel() == 0:
         raise ValueError(f"p0 must be a non-empty 1-D sequence, got shape {tuple(p.shape)}")
     return p
-
-
-def _data(
-    xdata: Any, ydata: Any, sigma: Any, *, check_finite: bool | None, nan_policy: str | None
-) -> tuple[Tensor, Any, Any]:
-    """``(y, x, sigma)``: ``ydata`` flat float64; ``xdata`` float64 when numeric.
-
-    ``check_finite`` defaults to ``True``, or ``False`` when a ``nan_policy`` is given
-    (scipy's rule); ``nan_policy="omit"`` drops the points where ``xdata`` (along its
-    last axis) or ``ydata`` is NaN, and the matching entries of ``sigma``.
-    """
-    y = as_float64(ydata, "ydata").reshape(-1)
-    if y.numel() == 0:
-        raise ValueError("ydata must not be empty")
-    finite_check = check_finite if check_finite is not None else nan_policy is None
-    if finite_check and not bool(torch.isfinite(y).all()):
-        raise ValueError(
-            "ydata contains NaN or inf (check_finite=True): clean the data, or pass "
-            "nan_policy='omit' to drop NaN points"
-        )
-    x: Any = xdata
-    if isinstance(xdata, (Tensor, np.ndarray, list, tuple, int, float)):
-        try:
-            x = as_float64(xdata, "xdata")
-        except TypeError:
-            x = xdata
-        if isinstance(x, Tensor) and finite_check and not bool(torch.isfinite(x).all()):
-            raise ValueError(
-                "xdata contains NaN or inf (check_finite=True): clean the data, or pass "
-                "nan_policy='omit' to drop NaN points"
-            )
-    if nan_policy is None:
-        return y, x, sigma
-    x_nan = torch.zeros_like(y, dtype=torch.bool)
-    if isinstance(x, Tensor) and x.ndim >= 1 and x.shape[-1] == y.numel():
-        x_nan = torch.isnan(x).reshape(-1, y.numel()).any(0)
-    nan = x_nan | torch.isnan(y)
-    if nan_policy == "raise":
-        if bool(nan.any()):
-            raise ValueError(
-                f"The input contains nan values ({int(nan.sum())} points, nan_policy='raise'): "
-                "clean the data, or pass nan_policy='omit' to drop them"
-            )
-        return y, x, sigma
-    keep = ~nan
-    if isinstance(x, Tensor) and x.ndim >= 1 and x.shape[-1] == y.numel():
-        x = x[..., keep]
-    if sigma is not None:
-        s = as_float64(sigma, "sigma")
-        if s.shape == (y.numel(),):
-            sigma = s[keep]
-        elif s.shape == (y.numel(), y.numel()):
-            sigma = s[keep][:, keep]
-    return y[keep], x, sigma
-
-
-def _weighting(sigma: Any, m: int) -> Weight:
-    """``r ↦ W r``: identity, ``r / sigma`` for a scalar or ``m`` deviations, ``L⁻¹ r``."""
-    if sigma is None:
-        return _unweighted
-    s = as_float64(sigma, "sigma")
-    if s.numel() == 1 or s.shape == (m,):
-        s = s.reshape(-1)
-        if not bool((torch.isfinite(s) & (s > 0)).all()):
-            raise ValueError("sigma must be finite and > 0 everywhere")
-        inv = 1.0 / s
-
-        def diagonal(r: Tensor) -> Tensor:
-            return r * inv.to(r.dtype)
-
-        return diagonal
-    if s.shape == (m, m):
-        L, info = torch.linalg.cholesky_ex(s)
-        if int(info) != 0:
-            raise ValueError(
-                "sigma, given as an (m, m) covariance matrix, must be symmetric positive definite"
-            )
-
-        def whiten(r: Tensor) -> Tensor:
-            return torch.linalg.solve_triangular(L.to(r.dtype), r.reshape(-1, 1), upper=False)[:, 0]
-
-        return whiten
-    raise ValueError(
-        f"sigma must be a scalar or have shape ({m},) or ({m}, {m}) to match ydata, got "
-        f"{tuple(s.shape)}"
-    )
-
-
-def _unweighted(r: Tensor) -> Tensor:
-    return r
-
-
-# ---------------------------------------------------------------------------------------
-# The residuals least_squares minimises
-
-
-def _torch_friendly(f: Callable[..., Any], x: Any, p: Tensor) -> bool:
-    """Whether ``f`` accepts tensors and can be differentiated by torch.func.
-
-    A function written with NumPy either fails on tensors, returns an array, or makes
-    NumPy warn about tensors; any of these sends it down the finite-difference path.
-    One call of ``f`` decides (a forward-mode derivative, which also runs the values).
-    """
-
-    def values(q: Tensor) -> tuple[Tensor, Tensor]:
-        out = f(x, *q.unbind(0))
-        if not isinstance(out, Tensor):
-            raise TypeError("not a tensor")
-        return out, out
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            torch.func.jacfwd(values, has_aux=True)(p)
-        except Exception:
-            return False
-    # NumPy ufuncs applied to tensors return tensors but warn about ``__array_wrap__``.
-    return not any("__array" in str(w.message) for w in caught)
-
-
-def _torch_residuals(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -> Any:
-    """``q ↦ W (f(x, *q) - y)`` on tensors, differentiable by torch.func."""
-    m = y.numel()
-
-    def check(pred: Any) -> Tensor:
-        t = pred if isinstance(pred, Tensor) else as_float64(pred, "f(xdata, *p)")
-        t = t.reshape(-1).to(torch.complex128 if t.is_complex() else torch.float64)
-        if t.numel() != m and m != 1:
-            raise ValueError(
-                f"f(xdata, *p) returned {t.numel()} values but ydata has {m}; they must match"
-            )
-        return t
-
-    def residuals(q: Tensor) -> Tensor:
-        return weight(check(f(x, *q.unbind(0))) - y)
-
-    return residuals
-
-
-def _numpy_residuals(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -> Any:
-    """``q ↦ W (f(x, *q) - y)`` on NumPy arrays (``x`` passed as an array when numeric)."""
-    m = y.numel()
-    x_np = x.numpy() if isinstance(x, Tensor) else x
-    y_np = y.numpy()
-
-    def residuals(q: Any) -> Any:
-        raw = np.asarray(f(x_np, *q))
-        # A complex q is jac="cs" probing f at x + ih: keep the imaginary part.
-        pred = raw.reshape(-1).astype(np.complex128 if np.iscomplexobj(raw) else np.float64)
-        if pred.size != m and m != 1:
-            raise ValueError(
-                f"f(xdata, *p) returned {pred.size} values but ydata has {m}; they must match"
-            )
-        return weight(torch.from_numpy(pred - y_np)).numpy()
-
-    return residuals
-
-
-def _numpy_jacobian(
-    jac: Callable[..., Any], x: Any, weight: Weight, *, shape: tuple[int, int]
-) -> Callable[[Any], Any]:
-    """``q ↦ W·jac(x, *q)``: the user's Jacobian of ``f``, weighted like the residuals."""
-    x_np = x.numpy() if isinstance(x, Tensor) else x
-    weighted = _weighted_jacobian(jac, weight, shape)
-
-    def call(q: Any) -> Any:
-        return weighted(jac(x_np, *q)).numpy()
-
-    return call
-
-
-def _torch_jacobian(
-    jac: Callable[..., Any], x: Any, weight: Weight, *, shape: tuple[int, int]
-) -> Callable[[Tensor], Tensor]:
-    """``q ↦ W·jac(x, *q)`` for a torch ``f``: ``jac`` gets tensors, as ``f`` does."""
-    weighted = _weighted_jacobian(jac, weight, shape)
-
-    def call(q: Tensor) -> Tensor:
-        return weighted(jac(x, *q.unbind(0)))
-
-    return call
-
-
-def _weighted_jacobian(
-    jac: Callable[..., Any], weight: Weight, shape: tuple[int, int]
-) -> Callable[[Any], Tensor]:
-    m, n = shape
-
-    def weighted(raw: Any) -> Tensor:
-        J = as_float64(raw, "jac(xdata, *p)")
-        if J.ndim != 2 or J.shape[1] != n or (J.shape[0] != m and m != 1):
-            raise ValueError(f"jac(xdata, *p) must return shape ({m}, {n}), got {tuple(J.shape)}")
-        return torch.stack([weight(J[:, j]) for j in range(n)], dim=1)
-
-    return weighted
 
 
 #: least_squares' status -> (MINPACK's ``ier``, its meaning), which scipy's curve_fit

@@ -8,7 +8,7 @@ result is a dict with scipy's fields, so porting a fit is a change of import.
 
 It runs in four stages, one module each: check the call (:mod:`.options`), build the
 problem in the free variable of the bounds' change of variables (:mod:`.build`, with
-:mod:`.functions`, :mod:`.bounds`, :mod:`.problem` and :mod:`.losses`), run the
+:mod:`.functions`, :mod:`.differences`, :mod:`.bounds`, :mod:`.problem` and :mod:`.losses`), run the
 engine until a termination test, the budget or the callback stops it (:mod:`.run`),
 and report in ``x`` (:mod:`.outcome`).
 """
@@ -20,11 +20,7 @@ from typing import Any
 
 from .bounds import BoxTransform, parse_bounds
 from .build import build_problem
-from .losses import LOSSES
 from .options import (
-    JACS,
-    METHODS,
-    SOLVERS,
     Options,
     check_call,
     check_feasible,
@@ -33,19 +29,10 @@ from .options import (
     start_point,
 )
 from .outcome import result_in_x
-from .result import MESSAGES, OptimizeResult
+from .result import OptimizeResult
 from .run import run_iterations
 
-# LOSSES, MESSAGES and OptimizeResult stay importable from here (the old module path).
-__all__ = [
-    "JACS",
-    "LOSSES",
-    "MESSAGES",
-    "METHODS",
-    "SOLVERS",
-    "OptimizeResult",
-    "least_squares",
-]
+__all__ = ["least_squares"]
 
 
 def least_squares(

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..lm.linalg import HOST_MAX_N, HostArrays, NormalEquations
 from .bounds import BoxTransform
-from .functions import CallCounter, JacobianFn
+from .differences import JacobianFn
+from .functions import CallCounter
 from .losses import Loss, doubled_cost, rho
 
 __all__ = ["FunctionProblem", "is_finite_system"]

@@ -18,7 +18,7 @@ from torch.func import grad, jacfwd
 
 import secondorder as so
 from secondorder.fitting.bounds import BoxTransform, parse_bounds
-from secondorder.fitting.functions import finite_difference
+from secondorder.fitting.differences import finite_difference
 from secondorder.fitting.losses import LOSSES, doubled_cost, rho
 from secondorder.fitting.problem import FunctionProblem
 

@@ -4,7 +4,7 @@
   LAPACK gufuncs called directly: its steps and search norms are bitwise those of
   ``QRSolver(host=True)`` (``np.linalg.qr``/``svd``/``solve``), which the small-problem
   tests compare with the torch QR solver; anything else falls back to that solver.
-* :meth:`~secondorder.fitting.functions.NumpyDifference.of_arrays` is bitwise the
+* :meth:`~secondorder.fitting.differences.NumpyDifference.of_arrays` is bitwise the
   tensor call's J; :func:`~secondorder.fitting.functions.numpy_residuals` with
   ``owned=True`` never returns the user's own buffer.
 * ``least_squares`` on a NumPy ``fun`` through the array path gives bitwise the run
@@ -24,12 +24,8 @@ import torch
 import secondorder as so
 from secondorder.fitting import host as host_module
 from secondorder.fitting.bounds import BoxTransform, parse_bounds
-from secondorder.fitting.functions import (
-    CallCounter,
-    NumpyDifference,
-    finite_difference,
-    numpy_residuals,
-)
+from secondorder.fitting.differences import NumpyDifference, finite_difference
+from secondorder.fitting.functions import CallCounter, numpy_residuals
 from secondorder.fitting.host import HostQRSolver, has_lapack_gufuncs
 from secondorder.fitting.problem import FunctionProblem
 from secondorder.lm.linalg import HostArrays, NormalEquations, QRSolver

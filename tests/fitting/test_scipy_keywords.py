@@ -24,7 +24,7 @@ from scipy.sparse.linalg import aslinearoperator
 
 import secondorder as so
 from secondorder.fitting import FitReport, OptimizeResult, curve_fit, fit_report, least_squares
-from secondorder.fitting.functions import column_groups
+from secondorder.fitting.differences import column_groups
 
 F64 = torch.float64
 TIGHT = {"ftol": 1e-12, "xtol": 1e-12, "gtol": 1e-12}

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import secondorder as so
-from secondorder.fitting.functions import auto_mode, finite_difference, jacobian_function
+from secondorder.fitting.differences import finite_difference
+from secondorder.fitting.functions import auto_mode, jacobian_function
 from secondorder.lm.linalg import HOST_MAX_N, NormalEquations, QRSolver
 
 F64 = torch.float64

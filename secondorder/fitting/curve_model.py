@@ -1,0 +1,223 @@
+"""``f(xdata, *p)`` and the data as the residuals that ``least_squares`` minimises.
+
+:func:`~.curve_fit.curve_fit` reads its data (:func:`data`), its weights
+(:func:`weighting`: ``W = diag(1/sigma)`` or ``L⁻¹`` for a covariance ``sigma = L Lᵀ``)
+and turns ``f`` into ``W (f(xdata, *p) - ydata)``: on tensors when torch can
+differentiate ``f`` (:func:`torch_friendly`), on NumPy arrays otherwise.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .arrays import as_float64
+
+__all__ = [
+    "Weight",
+    "data",
+    "jacobian_on_arrays",
+    "jacobian_on_tensors",
+    "residuals_on_arrays",
+    "residuals_on_tensors",
+    "torch_friendly",
+    "weighting",
+]
+
+Weight = Callable[[Tensor], Tensor]
+
+
+def data(
+    xdata: Any, ydata: Any, sigma: Any, *, check_finite: bool | None, nan_policy: str | None
+) -> tuple[Tensor, Any, Any]:
+    """``(y, x, sigma)``: ``ydata`` flat float64; ``xdata`` float64 when numeric.
+
+    ``check_finite`` defaults to ``True``, or ``False`` when a ``nan_policy`` is given
+    (scipy's rule); ``nan_policy="omit"`` drops the points where ``xdata`` (along its
+    last axis) or ``ydata`` is NaN, and the matching entries of ``sigma``.
+    """
+    y = as_float64(ydata, "ydata").reshape(-1)
+    if y.numel() == 0:
+        raise ValueError("ydata must not be empty")
+    finite_check = check_finite if check_finite is not None else nan_policy is None
+    if finite_check and not bool(torch.isfinite(y).all()):
+        raise ValueError(
+            "ydata contains NaN or inf (check_finite=True): clean the data, or pass "
+            "nan_policy='omit' to drop NaN points"
+        )
+    x: Any = xdata
+    if isinstance(xdata, (Tensor, np.ndarray, list, tuple, int, float)):
+        try:
+            x = as_float64(xdata, "xdata")
+        except TypeError:
+            x = xdata
+        if isinstance(x, Tensor) and finite_check and not bool(torch.isfinite(x).all()):
+            raise ValueError(
+                "xdata contains NaN or inf (check_finite=True): clean the data, or pass "
+                "nan_policy='omit' to drop NaN points"
+            )
+    if nan_policy is None:
+        return y, x, sigma
+    x_nan = torch.zeros_like(y, dtype=torch.bool)
+    if isinstance(x, Tensor) and x.ndim >= 1 and x.shape[-1] == y.numel():
+        x_nan = torch.isnan(x).reshape(-1, y.numel()).any(0)
+    nan = x_nan | torch.isnan(y)
+    if nan_policy == "raise":
+        if bool(nan.any()):
+            raise ValueError(
+                f"The input contains nan values ({int(nan.sum())} points, nan_policy='raise'): "
+                "clean the data, or pass nan_policy='omit' to drop them"
+            )
+        return y, x, sigma
+    keep = ~nan
+    if isinstance(x, Tensor) and x.ndim >= 1 and x.shape[-1] == y.numel():
+        x = x[..., keep]
+    if sigma is not None:
+        s = as_float64(sigma, "sigma")
+        if s.shape == (y.numel(),):
+            sigma = s[keep]
+        elif s.shape == (y.numel(), y.numel()):
+            sigma = s[keep][:, keep]
+    return y[keep], x, sigma
+
+
+def weighting(sigma: Any, m: int) -> Weight:
+    """``r ↦ W r``: identity, ``r / sigma`` for a scalar or ``m`` deviations, ``L⁻¹ r``."""
+    if sigma is None:
+        return _unweighted
+    s = as_float64(sigma, "sigma")
+    if s.numel() == 1 or s.shape == (m,):
+        s = s.reshape(-1)
+        if not bool((torch.isfinite(s) & (s > 0)).all()):
+            raise ValueError("sigma must be finite and > 0 everywhere")
+        inv = 1.0 / s
+
+        def diagonal(r: Tensor) -> Tensor:
+            return r * inv.to(r.dtype)
+
+        return diagonal
+    if s.shape == (m, m):
+        L, info = torch.linalg.cholesky_ex(s)
+        if int(info) != 0:
+            raise ValueError(
+                "sigma, given as an (m, m) covariance matrix, must be symmetric positive definite"
+            )
+
+        def whiten(r: Tensor) -> Tensor:
+            return torch.linalg.solve_triangular(L.to(r.dtype), r.reshape(-1, 1), upper=False)[:, 0]
+
+        return whiten
+    raise ValueError(
+        f"sigma must be a scalar or have shape ({m},) or ({m}, {m}) to match ydata, got "
+        f"{tuple(s.shape)}"
+    )
+
+
+def _unweighted(r: Tensor) -> Tensor:
+    return r
+
+
+def torch_friendly(f: Callable[..., Any], x: Any, p: Tensor) -> bool:
+    """Whether ``f`` accepts tensors and can be differentiated by torch.func.
+
+    A function written with NumPy either fails on tensors, returns an array, or makes
+    NumPy warn about tensors; any of these sends it down the finite-difference path.
+    One call of ``f`` decides (a forward-mode derivative, which also runs the values).
+    """
+
+    def values(q: Tensor) -> tuple[Tensor, Tensor]:
+        out = f(x, *q.unbind(0))
+        if not isinstance(out, Tensor):
+            raise TypeError("not a tensor")
+        return out, out
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            torch.func.jacfwd(values, has_aux=True)(p)
+        except Exception:
+            return False
+    # NumPy ufuncs applied to tensors return tensors but warn about ``__array_wrap__``.
+    return not any("__array" in str(w.message) for w in caught)
+
+
+def residuals_on_tensors(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -> Any:
+    """``q ↦ W (f(x, *q) - y)`` on tensors, differentiable by torch.func."""
+    m = y.numel()
+
+    def check(pred: Any) -> Tensor:
+        t = pred if isinstance(pred, Tensor) else as_float64(pred, "f(xdata, *p)")
+        t = t.reshape(-1).to(torch.complex128 if t.is_complex() else torch.float64)
+        if t.numel() != m and m != 1:
+            raise ValueError(
+                f"f(xdata, *p) returned {t.numel()} values but ydata has {m}; they must match"
+            )
+        return t
+
+    def residuals(q: Tensor) -> Tensor:
+        return weight(check(f(x, *q.unbind(0))) - y)
+
+    return residuals
+
+
+def residuals_on_arrays(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -> Any:
+    """``q ↦ W (f(x, *q) - y)`` on NumPy arrays (``x`` passed as an array when numeric)."""
+    m = y.numel()
+    x_np = x.numpy() if isinstance(x, Tensor) else x
+    y_np = y.numpy()
+
+    def residuals(q: Any) -> Any:
+        raw = np.asarray(f(x_np, *q))
+        # A complex q is jac="cs" probing f at x + ih: keep the imaginary part.
+        pred = raw.reshape(-1).astype(np.complex128 if np.iscomplexobj(raw) else np.float64)
+        if pred.size != m and m != 1:
+            raise ValueError(
+                f"f(xdata, *p) returned {pred.size} values but ydata has {m}; they must match"
+            )
+        return weight(torch.from_numpy(pred - y_np)).numpy()
+
+    return residuals
+
+
+def jacobian_on_arrays(
+    jac: Callable[..., Any], x: Any, weight: Weight, *, shape: tuple[int, int]
+) -> Callable[[Any], Any]:
+    """``q ↦ W·jac(x, *q)``: the user's Jacobian of ``f``, weighted like the residuals."""
+    x_np = x.numpy() if isinstance(x, Tensor) else x
+    weighted = _weighted(jac, weight, shape)
+
+    def call(q: Any) -> Any:
+        return weighted(jac(x_np, *q)).numpy()
+
+    return call
+
+
+def jacobian_on_tensors(
+    jac: Callable[..., Any], x: Any, weight: Weight, *, shape: tuple[int, int]
+) -> Callable[[Tensor], Tensor]:
+    """``q ↦ W·jac(x, *q)`` for a torch ``f``: ``jac`` gets tensors, as ``f`` does."""
+    weighted = _weighted(jac, weight, shape)
+
+    def call(q: Tensor) -> Tensor:
+        return weighted(jac(x, *q.unbind(0)))
+
+    return call
+
+
+def _weighted(
+    jac: Callable[..., Any], weight: Weight, shape: tuple[int, int]
+) -> Callable[[Any], Tensor]:
+    m, n = shape
+
+    def weighted(raw: Any) -> Tensor:
+        J = as_float64(raw, "jac(xdata, *p)")
+        if J.ndim != 2 or J.shape[1] != n or (J.shape[0] != m and m != 1):
+            raise ValueError(f"jac(xdata, *p) must return shape ({m}, {n}), got {tuple(J.shape)}")
+        return torch.stack([weight(J[:, j]) for j in range(n)], dim=1)
+
+    return weighted

@@ -8,9 +8,8 @@ machine's CPU and LAPACK, and on another they are a guess.
 column-major buffer and hands that to LAPACK.  When a column of that buffer is a
 multiple of 1 KiB long (float64 ``n = 128k``, float32 ``n = 256k``: the batch sizes
 people choose) the copy and LAPACK's blocked kernels keep evicting their own cache
-lines; on the machine it was measured on (MKL), padding such sizes by 16 made the
-factorisation up to twice as fast (``python -m benchmarks.experiments.lapack_sizes`` measures
-yours).
+lines; padding such sizes by 16 can make the factorisation much faster
+(``python -m benchmarks.experiments.lapack_sizes`` measures it on yours).
 
 ``blockdiag(M, I)`` has the Cholesky factor ``blockdiag(L, I)`` and the inverse
 ``blockdiag(M⁻¹, I)``, and it is positive definite exactly when ``M`` is, so factoring

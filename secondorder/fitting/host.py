@@ -2,9 +2,9 @@
 
 :func:`~secondorder.fitting.least_squares` factors a few float64 columns on the host
 (:class:`~secondorder.lm.linalg.QRSolver` with ``host=True``): one QR of ``[J, -r]``
-and one SVD of ``R0 D^-½`` per iteration.  At NIST's sizes (n ≤ 9, m ≤ 250) LAPACK
-itself takes 4-7 µs a call and ``np.linalg``'s Python around it (argument checks, a
-type promotion, a copy, an error-state context) as much again.  :class:`HostQRSolver`
+and one SVD of ``R0 D^-½`` per iteration.  At NIST's sizes (n ≤ 9, m ≤ 250) a LAPACK
+call is so short that ``np.linalg``'s Python around it (argument checks, a type
+promotion, a copy, an error-state context) costs about as much again.  :class:`HostQRSolver`
 builds the same factorisation from the same LAPACK calls (NumPy's linalg gufuncs,
 given the arrays ``np.linalg.qr``/``svd``/``solve`` would give them), so every number
 is the wrapped path's to the last bit; where NumPy does not expose the gufuncs it

@@ -45,9 +45,9 @@ class EighResult:
 def finite_per_matrix(A: Tensor) -> Tensor:
     """``(B,)`` mask: whether every entry of ``A[b]`` is finite.
 
-    ``amax`` and ``amin`` propagate NaN and show ±Inf as an extreme; on one CPU thread
-    the two vectorised reductions take 0.1 ms per 1024x1024 matrix where
-    ``isfinite(A).all()`` (or ``aminmax`` along a dimension) takes 2 ms.  Reducing over
+    ``amax`` and ``amin`` propagate NaN and show ±Inf as an extreme; the two vectorised
+    reductions are much cheaper than ``isfinite(A).all()`` (or ``aminmax`` along a
+    dimension), which first builds a mask as large as ``A``.  Reducing over
     the trailing dimensions, not a flattened view, avoids copying eigh's column-major
     eigenvectors.
     """

@@ -16,8 +16,8 @@ cost:
   J (about the cost of one forward plus backward pass).  ``nn.Conv1d``/``nn.Conv2d``
   layers join the rule with their im2col patches in place of ``aᵢ`` (summed over
   output positions; :mod:`secondorder.lm.conv_rows`).  Otherwise ``vmap`` over
-  ``vjp`` computes the same rows (for a small MLP about three times slower: its
-  batched outer products run as many tiny matrix products).
+  ``vjp`` computes the same rows, more slowly (its batched outer products run as
+  many tiny matrix products).
 * ``"forward"`` (per-sample forward mode, ``vmap`` over ``jvp``): one forward pass per
   parameter.  Wins only when a sample has more residuals than the model has
   parameters (small models with large outputs).

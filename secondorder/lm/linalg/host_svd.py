@@ -29,7 +29,7 @@ class HostSVD(Factorization):
     scaled column (with finite differences that cost NIST's Bennett5 a digit).  Where
     R0 is singular (or m < n) the λ = 0 step is the SVD's minimum-norm one, the limit
     λ → 0.  For n ≤ :data:`~.record.HOST_MAX_N` float64 columns on the CPU, torch's per-call
-    overhead (a few µs a call, a host read per check) was the whole cost of a solve;
+    overhead (per call, and a host read per check) was the whole cost of a solve;
     here J crosses to NumPy once per iteration.
 
     Given the residuals r, the QR is of ``[J, -r]`` (MINPACK's ``qtf``): its last

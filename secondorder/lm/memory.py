@@ -141,14 +141,14 @@ class BufferPool:
     """Reuse a large scratch buffer (J's rows of a slice) from one step to the next.
 
     A fresh tensor of several MB pays its page faults on first touch, every step, which
-    can cost several times the multiply that fills it (``python -m
-    benchmarks.host_memory`` measures it).  :meth:`take` returns the pool's buffer of
-    that shape, dtype and device only when nothing else references its storage (no
-    tensor, view or detached alias from an earlier take is alive: a record that kept
-    J's rows, an interrupted step's locals), and a new one otherwise; its contents are
-    undefined, so the caller writes every entry.  Reuse therefore never changes a value
-    anyone can see: an interrupted or rejected step leaves nothing behind that the next
-    step reads.
+    can cost several times the multiply that fills it
+    (``python -m benchmarks.experiments.host_memory`` measures it).  :meth:`take` returns
+    the pool's buffer of that shape, dtype and device only when nothing else references
+    its storage (no tensor, view or detached alias from an earlier take is alive: a
+    record that kept J's rows, an interrupted step's locals), and a new one otherwise;
+    its contents are undefined, so the caller writes every entry.  Reuse therefore never
+    changes a value anyone can see: an interrupted or rejected step leaves nothing
+    behind that the next step reads.
     Where torch cannot count a storage's references the pool never reuses.
 
     The pool keeps one buffer per key between steps.  That memory belongs to the next

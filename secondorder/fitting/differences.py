@@ -138,7 +138,9 @@ def finite_difference(
             e[cols] = h[cols]
             if scheme == "2-point":
                 assert f0 is not None
-                diff, div = fun(x + e) - f0, 1.0
+                up = fun(x + e)
+                _same_count(up.numel(), f0.numel())
+                diff, div = up - f0, 1.0
             elif scheme == "cs":
                 assert complex_fun is not None
                 diff, div = complex_fun(x + 1j * e).imag.to(x.dtype), 1.0
@@ -217,7 +219,9 @@ class NumpyDifference:
             up = xn.copy()
             up[cols] = xn[cols] + h[cols]
             if base is not None:
-                diff, div = fun(up) - base, 1.0
+                f_up = fun(up)
+                _same_count(f_up.size, base.size)
+                diff, div = f_up - base, 1.0
             else:
                 down = xn.copy()
                 down[cols] = xn[cols] - h[cols]
@@ -248,7 +252,9 @@ def _columns(
     up[diagonal, diagonal] = x + h
     if base is not None:
         # (f(x + hⱼeⱼ) - f(x)) / hⱼ; the loop's divisor 1.0·hⱼ is hⱼ exactly.
-        return ((_rows(fun, up) - base) / h[:, None]).T
+        rows = _rows(fun, up)
+        _same_count(rows.shape[1], base.size)
+        return ((rows - base) / h[:, None]).T
     down = np.empty((n, n))
     down[:] = x
     down[diagonal, diagonal] = x - h
@@ -262,10 +268,16 @@ def _rows(fun: Callable[[np.ndarray], np.ndarray], points: np.ndarray) -> np.nda
     out[0] = first
     for j in range(1, points.shape[0]):
         f = fun(points[j])
-        if f.size != first.size:  # a size-1 result would broadcast into the row
-            raise ValueError(
-                f"fun returned {f.size} residuals at one point and {first.size} at another; "
-                "the number of residuals must not depend on x"
-            )
+        _same_count(f.size, first.size)  # a size-1 result would broadcast into the row
         out[j] = f
     return out
+
+
+def _same_count(rows: int, expected: int) -> None:
+    """Refuse a finite-difference evaluation whose residual count is not the base point's."""
+    if rows != expected:
+        raise ValueError(
+            f"fun returned {rows} residuals at a point but {expected} at another: the number "
+            "of residuals must not depend on x. Make fun return the same shape for every x "
+            "(mask entries with zeros rather than dropping them)."
+        )

@@ -123,6 +123,10 @@ class FunctionProblem:
         self._fused: Callable[[Tensor], Tensor] | None = None
         self._eye: Tensor | None = None
         self._pullback: tuple[Tensor, int, Callable[..., Any]] | None = None
+        #: Residuals ``fun`` returned at x0; every later evaluation must return as many.
+        self.m: int | None = None
+        #: Whether the last :meth:`loss_sum` was finite (a trial with NaN or inf is not).
+        self.last_finite = True
 
     def on_host(
         self,
@@ -187,6 +191,17 @@ class FunctionProblem:
         """Record ``f = f(x(y))`` computed elsewhere (the first call of ``fun``)."""
         self.last = (y, f.detach())
         self._last_version = y._version
+        if self.m is None:
+            self.m = f.numel()
+
+    def _check_count(self, rows: int, what: str) -> None:
+        """Refuse residuals (or Jacobian rows) whose count is not that of x0."""
+        if self.m is not None and rows != self.m:
+            raise ValueError(
+                f"fun returned {rows} residuals at {what} but {self.m} at x0: the number of "
+                "residuals must not depend on x. Make fun return the same shape for every x "
+                "(mask entries with zeros rather than dropping them)."
+            )
 
     def residuals(self, y: Tensor) -> Tensor:
         """``f(x(y))``, flat float64, detached; the last point and the base are free."""
@@ -209,12 +224,16 @@ class FunctionProblem:
                 f = self.fun(self.bounds.to_x(y))
                 if f.requires_grad:
                     f = f.detach()
+        self._check_count(f.numel(), "a point")
         self.last = (y, f)
         self._last_version = y._version
         return f
 
     def loss_sum(self, y: Tensor) -> Tensor | float:
-        """``2·cost`` at ``y``, or ``inf`` where a residual is not finite (a rejected step)."""
+        """``2·cost`` at ``y``, or ``inf`` where a residual is not finite (a rejected step).
+
+        Sets :attr:`last_finite`, which tells the run a trial rejected for NaN or inf.
+        """
         f = self.residuals(y)
         if self.loss == "linear" and f.is_cpu and f.dtype == torch.float64:
             # The common fit: ‖f‖² read in NumPy, no torch call or separate host read.
@@ -222,8 +241,10 @@ class FunctionProblem:
             # device, and a non-finite residual makes the sum inf or NaN.
             a = f.numpy()
             total = float(np.vdot(a, a))
-            return total if math.isfinite(total) else math.inf
-        return self.cost2(f) if bool(torch.isfinite(f).all()) else torch.tensor(math.inf)
+            self.last_finite = math.isfinite(total)
+            return total if self.last_finite else math.inf
+        self.last_finite = bool(torch.isfinite(f).all())
+        return self.cost2(f) if self.last_finite else torch.tensor(math.inf)
 
     def linearize(self, y: Tensor, f: Tensor) -> NormalEquations:
         """The normal equations of the model ``r + Js·δy`` at ``y`` with residuals ``f``.
@@ -320,6 +341,7 @@ class FunctionProblem:
                 J = jac(x, f) if self.takes_residuals else jac(x)
             if J.requires_grad:
                 J = J.detach()
+        self._check_count(int(J.shape[0]), "a point's Jacobian")
         self.base = (y, f.detach() if f.requires_grad else f, J)
         self._base_version, self._base_jac = y._version, jn
         return J

@@ -29,6 +29,11 @@ from .outcome import Run, optimality
 from .problem import FunctionProblem, is_finite_system
 from .result import OptimizeResult
 
+_NOT_FINITE = (
+    "fun returned non-finite residuals at every trial point, down to the shortest step "
+    "the damping allows: x is the last point where they were finite"
+)
+
 
 def _engine_config(opts: Options) -> EngineConfig:
     return EngineConfig(
@@ -168,8 +173,9 @@ def run_iterations(
         if out.status > 0:
             status = out.status
         elif out.stop and problem.nfev - before < remaining and not out.accepted:
-            # λ reached its maximum: steps are as short as the arithmetic allows.
-            status = 3
+            # λ reached its maximum: steps are as short as the arithmetic allows.  If
+            # even the shortest was non-finite, fun is not finite anywhere near y.
+            status, reason = (3, reason) if problem.last_finite else (-1, _NOT_FINITE)
         if out.accepted and xtol_in_x and status in (0, 2):
             unit = 1.0 if bounds.scale is None else bounds.scale
             x_new = bounds.to_x(y) / unit

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -109,6 +110,66 @@ def resolve_devices(devices: Any, solver_device: Any, model_device: torch.device
     return DeviceGroup(entries, solver)
 
 
+#: What ``nn.Module`` keeps in its ``__dict__`` for itself (registries, hooks, the mode).
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+#: Immutable values a replica may share with the model.
+_ATOMS = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+_MISSING = object()
+#: Per replica module: the model's tensor attributes (with their version counters) that
+#: its own copies were made from, so an unchanged tensor is not copied again.
+_COPIED: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[Tensor, int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _plain(value: Any) -> bool:
+    """An immutable value: an atom, or a tuple or frozenset of them."""
+    if isinstance(value, (tuple, frozenset)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _ATOMS)
+
+
+def _attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The module's own attributes: not its parameters, buffers, submodules or hooks."""
+    for key, value in module.__dict__.items():
+        if key not in _MODULE_INTERNALS:
+            yield key, value
+
+
+def _sync_attributes(source: nn.Module, replica: nn.Module) -> None:
+    """Give ``replica`` the plain values and tensors that ``source`` holds as attributes.
+
+    Immutable values (numbers, strings, dtypes, tuples of them) are shared; a tensor
+    is copied (as ``copy.deepcopy`` copied it with the model) when it is another
+    object than last time or was changed in place.  Other values (lists, dicts,
+    objects) are the replica's own since it was made, and not compared.
+    """
+    own = replica.__dict__
+    copied = _COPIED.setdefault(replica, {})
+    for key, value in _attributes(source):
+        if own.get(key, _MISSING) is value:
+            continue
+        if _plain(value):
+            own[key] = value
+        elif isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+            seen = copied.get(key)
+            if seen is None or seen[0] is not value or seen[1] != value._version:
+                own[key] = copy.deepcopy(value)
+                copied[key] = (value, value._version)
+
+
 def replicate_module(model: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
     """One copy of ``model`` per entry of ``devices``, each on its device.
 
@@ -131,12 +192,22 @@ def replicate_module(model: nn.Module, devices: Sequence[torch.device]) -> list[
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         out.append(replica.to(dev))
+        for a_mod, b_mod in zip(model.modules(), replica.modules(), strict=True):
+            _COPIED[b_mod] = {
+                key: (value, value._version)
+                for key, value in _attributes(a_mod)
+                if isinstance(value, Tensor) and not isinstance(value, nn.Parameter)
+            }
     return out
 
 
 @torch.no_grad()
 def sync_replica(source: nn.Module, replica: nn.Module) -> None:
-    """Make ``replica`` equal ``source``: parameters, buffers and train/eval modes."""
+    """Make ``replica`` equal ``source``: parameters, buffers, modes and plain attributes.
+
+    A plain attribute is an immutable value (``self.k = 3.0``, a string, a tuple) or
+    a tensor that is not a parameter or buffer; see :func:`_sync_attributes`.
+    """
     if replica is source:
         return
     pairs = [
@@ -147,6 +218,7 @@ def sync_replica(source: nn.Module, replica: nn.Module) -> None:
         b.copy_(a, non_blocking=_non_blocking(b.device))
     for a_mod, b_mod in zip(source.modules(), replica.modules(), strict=True):
         b_mod.training = a_mod.training
+        _sync_attributes(a_mod, b_mod)
 
 
 def _non_blocking(dst: torch.device) -> bool:

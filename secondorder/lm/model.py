@@ -161,6 +161,12 @@ class ModelEvaluator:
         """The flat residuals of a whole batch at ``params``."""
         if isinstance(self.residual_fn, ModelResidual):
             r = self.residual_fn.fn(lambda z: self.call(params, z), inputs, targets)
+            if not isinstance(r, Tensor):
+                raise TypeError(
+                    f"ModelResidual's fn must return a tensor of residuals, got "
+                    f"{type(r).__name__}; join several parts into one (torch.cat of "
+                    "their flattened pieces)"
+                )
             return r.reshape(-1)
         return self.residual(self.call(params, inputs), targets)
 

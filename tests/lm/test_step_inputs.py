@@ -245,3 +245,36 @@ def test_constructor_messages_describe_arrays_without_their_values() -> None:
         r"shape \(500, 40\), dtype float64$",
     ):
         so.LevenbergMarquardt(nn.Linear(2, 1).double(), big)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "returns",
+    [
+        lambda r: (r, r),
+        lambda r: [r],
+        lambda r: {"interior": r},
+        lambda r: r.detach().numpy(),
+    ],
+    ids=["tuple", "list", "dict", "numpy"],
+)
+def test_a_model_residual_that_returns_no_tensor_is_refused_and_changes_nothing(
+    returns: Any,
+) -> None:
+    # Before: a raw "AttributeError: 'tuple' object has no attribute 'reshape'" from
+    # inside the optimizer.
+    model, x, y = problem()
+
+    def fn(f: Any, inputs: Tensor, targets: Tensor) -> Any:
+        return returns((f(inputs) - targets).reshape(-1))
+
+    opt = so.LevenbergMarquardt(model, so.ModelResidual(fn))
+    before, state = flat(model), opt.state_dict()
+    kind = type(returns(torch.zeros(1, dtype=F64))).__name__
+    with pytest.raises(TypeError, match=rf"ModelResidual's fn must return a tensor.*got {kind}"):
+        opt.step(x, y)
+    assert torch.equal(flat(model), before)
+    after = opt.state_dict()
+    assert after["state"].keys() == state["state"].keys()
+    for key, value in state["state"][0].items():
+        got = after["state"][0][key]
+        assert torch.equal(got, value) if isinstance(value, Tensor) else got == value

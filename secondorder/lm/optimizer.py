@@ -13,7 +13,6 @@ accepted, so an exception anywhere in a step leaves them untouched.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -569,16 +568,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         )
         self._steps += 1
         loss = loss_sum / max(system.count, 1)
-        reason = "non-finite residuals or Jacobian at the current parameters"
-        if math.isfinite(loss_sum) and system.grad.dtype != torch.float64:
-            # Finite residuals, yet Jᵀr, the column norms or the Gram are not: in a
-            # narrow dtype that is most often an overflow of the products, not a NaN.
-            reason = (
-                f"{reason} (the residuals are finite: Jᵀr, diag(JᵀJ) or the Gram overflowed "
-                f"{str(system.grad.dtype).removeprefix('torch.')}, or J holds NaN or inf; "
-                "scale the targets and residuals down, or train in float64 with "
-                "model.double())"
-            )
+        reason = prob.nonfinite_reason(system)
         return StepInfo(
             loss=loss,
             loss_before=loss,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -23,8 +25,14 @@ def test_float32_overflow_of_the_products_is_named_and_changes_nothing() -> None
     opt = so.LevenbergMarquardt(model)
     info = opt.step(x, y)
     assert not info.accepted
-    assert info.reason.startswith("non-finite residuals or Jacobian")
-    assert "overflowed float32" in info.reason and "model.double()" in info.reason
+    # Before: "non-finite residuals or Jacobian at the current parameters (...)", which
+    # they were not: J = x ≈ 1e10 and r ≈ 1e29 are finite float32, Jᵀr ≈ 1e40 is not.
+    assert re.match(
+        r"Jᵀr overflowed float32 at the current parameters, with finite residuals and "
+        r"Jacobian: scale .* model\.double\(\); step rejected and damping raised$",
+        info.reason,
+    ), info.reason
+    assert "non-finite" not in info.reason
     # The loss is measured in float64, so it is finite and equals the float64 value.
     w, b = (p.detach().double() for p in model.parameters())
     r64 = x.double() @ w.T + b - y.double()
@@ -33,6 +41,48 @@ def test_float32_overflow_of_the_products_is_named_and_changes_nothing() -> None
     # In float64 the same problem steps.
     opt64 = so.LevenbergMarquardt(model.double())
     assert opt64.step(x.double(), y.double()).accepted
+
+
+def test_a_float32_column_norm_overflow_beside_a_float64_gram_is_named() -> None:
+    # J ≈ 1e20 is finite float32, and so are r and Jᵀr (r is tiny); diag(JᵀJ) ≈ 1e42
+    # fits the float64 Gram but not float32, the dtype of the column norms.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.full((64, 2), 1e20)
+    y = model(x).detach() + 1e-25
+    opt = so.LevenbergMarquardt(model, gram_dtype=torch.float64, solver="cholesky")
+    info = opt.step(x, y)
+    assert not info.accepted
+    assert re.match(
+        r"diag\(JᵀJ\) overflowed float32 at the current parameters, with finite "
+        r"residuals and Jacobian",
+        info.reason,
+    ), info.reason
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_nan_jacobian_beside_finite_float32_residuals_is_named() -> None:
+    # sqrt at 0 has an infinite derivative: r = 0·sqrt(w·x - w·x) is finite, J is not.
+    class Root(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.lin(x)
+            return out + torch.sqrt(out - out.detach())
+
+    torch.manual_seed(0)
+    model = Root()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(64, 2), torch.randn(64, 1)
+    info = so.LevenbergMarquardt(model, gram_dtype=torch.float64, solver="cholesky").step(x, y)
+    assert not info.accepted
+    assert re.match(
+        r"non-finite Jacobian at the current parameters, with finite residuals", info.reason
+    ), info.reason
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
 
 
 def test_non_finite_residuals_keep_their_own_reason() -> None:

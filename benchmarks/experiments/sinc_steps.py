@@ -123,6 +123,7 @@ def _search_judge(original: Any, up: float, down: float, high: float) -> Any:
     import dataclasses
 
     from secondorder.lm import engine
+    from secondorder.lm.measure import measure
 
     def judge(loop: Any, attempt: int, lam: float, *rest: Any) -> Any:
         out = original(loop, attempt, lam, *rest)
@@ -134,7 +135,7 @@ def _search_judge(original: Any, up: float, down: float, high: float) -> Any:
             return out
         delta = loop.lr * direction
         x2 = loop.x + delta
-        values = engine._measure(loop, delta, x2)
+        values = measure(loop.system, loop.xnorm0, None, delta, x2, None)
         if not values[0] or not values[1] > 0:
             return out
         loss2 = float(loop.problem.loss_sum(x2))

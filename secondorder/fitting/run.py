@@ -21,7 +21,7 @@ from ..lm.damping import (
     make_damping_matrix,
     make_damping_rule,
 )
-from ..lm.engine import EngineConfig, iterate
+from ..lm.engine import EngineConfig, iterate, refuse
 from ..lm.linalg import NormalEquations, make_solver
 from .host import HostQRSolver
 from .options import Options
@@ -36,18 +36,9 @@ _NOT_FINITE = (
 
 
 def _engine_config(opts: Options) -> EngineConfig:
-    return EngineConfig(
-        max_attempts=1 << 30,
-        min_gain_ratio=1e-4,
-        # No floor: near a singular solution (Powell's) JᵀJ shrinks without bound
-        # while D keeps its scale, and any fixed floor would cap the step.
-        damping_min=0.0,
-        damping_max=1e15,
-        ftol=opts.ftol or 0.0,
-        xtol=opts.xtol or 0.0,
-        gtol=opts.gtol or 0.0,
-        geodesic=opts.geodesic,
-    )
+    # No floor on λ: near a singular solution (Powell's) JᵀJ shrinks without bound
+    # while D keeps its scale, and any fixed floor would cap the step.
+    return EngineConfig.of(opts, max_attempts=1 << 30, damping_min=0.0, damping_max=1e15)
 
 
 def _first_system(problem: FunctionProblem, y: Tensor) -> NormalEquations:
@@ -185,8 +176,17 @@ def run_iterations(
         if out.accepted:
             system = problem.linearize(y, problem.residuals(y))
             if not is_finite_system(system):
-                # No linear model here: stop without claiming convergence.
-                status, reason = -1, "the Jacobian (jac) is not finite at the current point"
+                # No linear model here: rejected as the optimizer rejects such a point,
+                # and the fit stops without claiming convergence.
+                reason = refuse(
+                    y,
+                    out.loss_sum,
+                    rule=rule,
+                    state=state,
+                    config=config,
+                    reason="the Jacobian (jac) is not finite at the current point",
+                ).reason
+                status = -1
         if out.attempts == 0:
             break  # gtol held at the current point: no iteration was run
         nit += 1

@@ -20,8 +20,8 @@ exceeds ``min_gain_ratio``; a step that raises the loss (ρ ≤ 0) is never kept
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,9 +29,10 @@ from torch import Tensor
 
 from .damping import DampingMatrix, DampingRule, DampingState, StepRecord, raise_damping
 from .linalg import Factorization, LinearSolver, NormalEquations
+from .measure import HostView, convergence, measure, measure_on_host
 from .precision import StepPrecision
 
-__all__ = ["EngineConfig", "Outcome", "Problem", "iterate"]
+__all__ = ["EngineConfig", "Outcome", "Problem", "iterate", "refuse"]
 
 
 class Problem(Protocol):
@@ -68,6 +69,24 @@ class EngineConfig:
     geodesic: bool = False
     geodesic_alpha: float = 0.75
 
+    @classmethod
+    def of(cls, settings: object, **fixed: Any) -> EngineConfig:
+        """The engine's settings: ``fixed``, else the attribute of ``settings`` of that name.
+
+        The one place both drivers build it: the optimizer passes its
+        :class:`~secondorder.lm.config.LMConfig`, least_squares its options and the
+        bounds it fixes.  A tolerance of ``None`` disables its test (0); a field
+        neither names keeps its default.
+        """
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name in fixed:
+                values[f.name] = fixed[f.name]
+            elif hasattr(settings, f.name):
+                value = getattr(settings, f.name)
+                values[f.name] = 0.0 if value is None and f.name.endswith("tol") else value
+        return cls(**values)
+
 
 @dataclass
 class Outcome:
@@ -93,27 +112,6 @@ class Outcome:
     matrix_dtype: torch.dtype | None = None
 
 
-def _convergence(
-    config: EngineConfig,
-    loss0: float,
-    actual: float,
-    pred: float,
-    rho: float,
-    step_norm: float,
-    xnorm: float,
-) -> tuple[int, str]:
-    """Scipy's ftol/xtol tests for one evaluated attempt: ``(status, reason)``."""
-    ftol_hit = abs(actual) <= config.ftol * loss0 and pred <= config.ftol * loss0 and rho <= 2.0
-    xtol_hit = step_norm <= config.xtol * (config.xtol + xnorm)
-    if ftol_hit and xtol_hit:
-        return 4, "ftol and xtol: both the loss reduction and the step are below tolerance"
-    if ftol_hit:
-        return 2, "ftol: relative reduction of the loss below ftol"
-    if xtol_hit:
-        return 3, "xtol: relative step size below xtol"
-    return 0, ""
-
-
 def _solve(
     fact: Factorization,
     damping: float,
@@ -130,37 +128,6 @@ def _solve(
     if delta is None or (check and not bool(torch.isfinite(delta).all())):
         return None
     return delta.to(dtype)
-
-
-def _predicted_reduction(
-    system: NormalEquations, g: Tensor, delta: Tensor, image: Tensor | None = None
-) -> Tensor:
-    """``-2gᵀδ - ‖Jδ‖²``, the reduction of ``Σr²`` the linear model predicts, in float64.
-
-    ``image``: ``Jδ`` when the solve formed it already (the dual form), else ``None``.
-
-    With residuals near 1e19 a float32 ``gᵀδ`` or ``‖Jδ‖²`` overflows although every
-    factor is finite.  ``gᵀδ`` is summed in float64; ``‖Jδ‖²`` is evaluated along
-    ``δ/s``, with ``s`` the largest power of two not above ``max|δ|`` (an exact
-    scaling), and multiplied by ``s²`` in float64: the same number whenever the
-    unscaled product would not have overflowed.  Everything stays on the device, so
-    the caller reads it back with its other scalars in one transfer.
-    """
-    wide = torch.float64
-    linear = torch.dot(g.to(wide), delta.to(wide))
-    if delta.numel() == 0:
-        return -2.0 * linear
-    top = delta.abs().max()
-    scalable = torch.isfinite(top) & (top > 0)
-    exponent = torch.frexp(torch.where(scalable, top, torch.ones_like(top)))[1]
-    scale = torch.ldexp(torch.ones_like(top), exponent - 1)
-    if image is None:
-        curvature = system.curvature(delta / scale).to(wide)
-    else:
-        jd = image / scale.to(image.dtype)
-        curvature = torch.dot(jd, jd).to(wide)
-    scale64 = scale.to(wide)
-    return -2.0 * linear - curvature * scale64 * scale64
 
 
 @dataclass
@@ -193,7 +160,7 @@ class _Loop:
     #: ``Jv`` of the current direction ``v`` when the factorisation formed it.
     image: Tensor | None = None
     #: NumPy views of the iteration's vectors when the factorisation lives on the host.
-    host: _HostView | None = None
+    host: HostView | None = None
 
     def reject(self, step: StepRecord | None = None) -> None:
         """Raise λ after a failed attempt, restarting from ``damping_restart`` at zero."""
@@ -324,7 +291,7 @@ def iterate(
         loss0=loss0,
         xnorm0=None if fact.on_host else torch.linalg.vector_norm(x, dtype=torch.float64),
         w=_residual_w(system, fact),
-        host=_HostView.of(x, system, d, fact) if fact.on_host else None,
+        host=HostView.of(x, system, d, fact) if fact.on_host else None,
         size=size,
     )
     allowed = config.max_attempts if max_attempts is None else max_attempts
@@ -339,6 +306,28 @@ def iterate(
             why = f"damping reached its maximum {config.damping_max:.3g}; last attempt: "
             return loop.stopped(attempt, 0, why + loop.reason)
     return loop.stopped(attempt, 0, f"{allowed} attempts exhausted; last: {loop.reason}")
+
+
+def refuse(
+    x: Tensor,
+    loss_sum: float,
+    *,
+    rule: DampingRule,
+    state: DampingState,
+    config: EngineConfig,
+    reason: str,
+) -> Outcome:
+    """Reject a point whose linearisation holds non-finite numbers: no attempt, λ raised.
+
+    The one rejection of a point for both drivers (the optimizer's step and
+    least_squares' iterations): the rule's ``reject`` without a restart from zero, λ
+    kept within ``[damping_min, damping_max]``, ``x`` unmoved.  ``reason`` is the
+    driver's account of what was not finite.
+    """
+    raise_damping(rule, state, damping_min=config.damping_min, damping_max=config.damping_max)
+    return _unmoved(
+        x, loss_sum, attempts=1, status=0, reason=reason, stop=False, gain_ratio=math.nan
+    )
 
 
 def _residual_w(system: NormalEquations, fact: Factorization) -> Tensor | None:
@@ -366,14 +355,16 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
         d = direction.numpy() if loop.lr == 1.0 else loop.lr * direction.numpy()
         xt = loop.host.x + d
         x_try = torch.from_numpy(xt)
-        values = _measure_on_host(loop, loop.host, d, xt)
+        values = measure_on_host(loop.system, loop.host, d, xt, loop.rule.chooses)
     else:
         delta = loop.lr * direction
         x_try = loop.x + delta
         image = loop.image
         if image is not None and loop.lr != 1.0:
             image = loop.lr * image
-        values = _measure(loop, delta, x_try, image)
+        assert loop.xnorm0 is not None
+        d_chosen = loop.d if loop.rule.chooses else None
+        values = measure(loop.system, loop.xnorm0, d_chosen, delta, x_try, image)
     solved, pred, step_norm, xnorm_try, xnorm = values[:5]
     if not solved:
         loop.reason = f"linear solve failed at damping {lam:.3g}"
@@ -381,97 +372,6 @@ def _attempt(loop: _Loop, attempt: int) -> Outcome | None:
         return None
     measured = (values[5], values[6]) if loop.rule.chooses else None
     return _judge(loop, attempt, lam, x_try, pred, step_norm, xnorm_try, xnorm, measured)
-
-
-def _measure(loop: _Loop, delta: Tensor, x_try: Tensor, image: Tensor | None) -> list[float]:
-    """``[finite, predicted reduction, ‖δ‖, ‖x + δ‖, ‖x‖]`` (+ ``‖D^½δ‖, gᵀδ``), one read.
-
-    ``image``: ``Jδ`` when the factorisation formed it (:meth:`Factorization.image`).
-    """
-    wide = torch.float64
-    assert loop.xnorm0 is not None
-    read = [
-        torch.isfinite(delta).all().to(wide),
-        _predicted_reduction(loop.system, loop.system.grad, delta, image),
-        torch.linalg.vector_norm(delta, dtype=wide),
-        torch.linalg.vector_norm(x_try, dtype=wide),
-        loop.xnorm0,
-    ]
-    if loop.rule.chooses:
-        # What the trust region measures: ‖D^½δ‖ and the slope gᵀδ, in the same read.
-        read.append(torch.linalg.vector_norm(loop.d.to(wide).sqrt() * delta.to(wide)))
-        read.append(torch.dot(loop.system.grad.to(wide), delta.to(wide)))
-    return torch.stack(read).tolist()
-
-
-class _HostView:
-    """The iteration's vectors as NumPy views, for a factorisation that lives on the host."""
-
-    __slots__ = ("grad", "jac", "sqrt_d", "x", "xnorm")
-
-    def __init__(
-        self, x: np.ndarray, grad: np.ndarray, jac: np.ndarray | None, sqrt_d: np.ndarray
-    ) -> None:
-        self.x, self.grad, self.jac, self.sqrt_d = x, grad, jac, sqrt_d
-        #: ``‖x‖``, once the first attempt has measured it.
-        self.xnorm: float | None = None
-
-    @classmethod
-    def of(cls, x: Tensor, system: NormalEquations, d: Tensor, fact: Factorization) -> _HostView:
-        """Views of ``x``, ``Jᵀr``, J and ``D^½`` (CPU float64 tensors).
-
-        A system formed on the host brings its own views, and a host factorisation
-        its ``D^½``: each conversion saved is a call as costly as the arithmetic.
-        """
-        arrays = system.host
-        jac: np.ndarray | None
-        if arrays is not None and system.jac is not None:
-            grad, jac = arrays.grad, arrays.jac
-        else:
-            grad = system.grad.numpy()
-            jac = None if system.jac is None else system.jac.numpy()
-        sqrt_d = fact.host_sqrt_d()
-        if sqrt_d is None:
-            with np.errstate(all="ignore"):
-                sqrt_d = np.sqrt(d.numpy())
-        return cls(x.numpy(), grad, jac, sqrt_d)
-
-
-def _measure_on_host(
-    loop: _Loop, view: _HostView, delta: np.ndarray, xt: np.ndarray
-) -> list[float]:
-    """:func:`_measure` in NumPy (a few columns on the host), without a torch call.
-
-    The same quantities in float64: the predicted reduction along ``δ/s`` with ``s``
-    the power of two below ``max|δ|``, as on the device.  Overflow gives inf, as on the
-    device (one error-state guard costs less than bounding the entries first).
-    ``xt`` is the trial point ``x + δ``.
-    """
-    with np.errstate(all="ignore"):
-        top = float(np.abs(delta).max()) if delta.size else 0.0
-        if not math.isfinite(top):
-            return [0.0] * 7
-        # ndarray.dot: the products of @, with less dispatch.
-        slope = float(view.grad.dot(delta))
-        scale = math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0.0 else 1.0
-        if view.jac is not None:
-            jd = view.jac.dot(delta / scale)
-            curvature = float(jd.dot(jd))
-        else:
-            curvature = float(loop.system.curvature(torch.from_numpy(delta / scale)))
-        if view.xnorm is None:
-            view.xnorm = math.sqrt(float(view.x.dot(view.x)))
-        values = [
-            1.0,
-            -2.0 * slope - curvature * scale * scale,
-            math.sqrt(float(delta.dot(delta))),
-            math.sqrt(float(xt.dot(xt))),
-            view.xnorm,
-        ]
-        if loop.rule.chooses:
-            sd = view.sqrt_d * delta
-            values += [math.sqrt(float(sd.dot(sd))), slope]
-    return values
 
 
 def _choose(loop: _Loop) -> float:
@@ -593,8 +493,15 @@ def _judge(
         )
     loop.rho = rho
     accepted = actual > 0 and rho > config.min_gain_ratio
-    status, why = _convergence(
-        config, loss0, actual, pred, rho, step_norm, xnorm_try if accepted else xnorm
+    status, why = convergence(
+        config.ftol,
+        config.xtol,
+        loss0,
+        actual,
+        pred,
+        rho,
+        step_norm,
+        xnorm_try if accepted else xnorm,
     )
     if accepted:
         loop.rule.accept(state, rho, step)

@@ -98,7 +98,7 @@ def test_dual_solve_by_blocks_matches_the_primal_solve(
 def test_dual_image_is_j_times_the_step(solver_name: str, dtype: torch.dtype) -> None:
     """``Factorization.image()`` (``Js Jsᵀ y``, m×m work) against ``J @ δ`` in float64,
     and the predicted reduction measured with it against the one measured through J."""
-    from secondorder.lm.engine import _predicted_reduction
+    from secondorder.lm.measure import predicted_reduction
 
     m, n = 100, 700
     jac = _case(m, n, torch.float32, seed=6)
@@ -115,8 +115,8 @@ def test_dual_image_is_j_times_the_step(solver_name: str, dtype: torch.dtype) ->
         scale = float(jac.double().abs().sum(1).max() * delta.double().abs().max())
         assert float((image.double() - ref).abs().max()) <= 10 * u * n**0.5 * scale
         grad = system.grad
-        via_image = float(_predicted_reduction(system, grad, delta.float(), image))
-        via_jac = float(_predicted_reduction(system, grad, delta.float()))
+        via_image = float(predicted_reduction(system, grad, delta.float(), image))
+        via_jac = float(predicted_reduction(system, grad, delta.float()))
         assert via_image == pytest.approx(via_jac, rel=1e-4)
 
 

@@ -108,7 +108,7 @@ def lm_method(label: str, options: dict[str, Any]) -> Method:
                 )
             stages = {k: v for k, v in info.timings.items() if k != "total"}
             stages["attempts"] = float(info.attempts)
-            return StepReport(info.loss, info.terminated, stages, resolved)
+            return StepReport(float(info.loss), info.terminated, stages, resolved)
 
         return step
 

@@ -76,9 +76,11 @@ def run_lm(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, quiet
     t0 = time.perf_counter()
     for k in range(1, steps + 1):
         info = opt.step(x, y)
-        run.add(k, time.perf_counter() - t0, info.loss)
+        run.add(k, time.perf_counter() - t0, float(info.loss))
         if not quiet:
-            _progress("LM", k, steps, info.loss, f"λ {info.damping:.1e} tries {info.attempts}")
+            _progress(
+                "LM", k, steps, float(info.loss), f"λ {info.damping:.1e} tries {info.attempts}"
+            )
         if info.terminated:
             if not quiet:
                 print(f"\n       stopped: {info.reason}")

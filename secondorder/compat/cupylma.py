@@ -277,7 +277,7 @@ class LMA:
         info = self.optimizer.step(x, y, slice_size=slice_size)
         self.last_info = info
         if self.loss_fn is None:
-            return info.loss, info.terminated
+            return float(info.loss), info.terminated
         return self._reported_loss(x, y, slice_size), info.terminated
 
     def _reported_loss(self, x: Tensor, y: Tensor, slice_size: int | None) -> float:

@@ -87,9 +87,14 @@ _FREE_SETTINGS = ("lr", "damping", "slice_size", "memory_budget", "memory_limit"
 _STATE_SETTINGS = ("damping_rule", "damping_matrix")
 
 
+#: Settings of how a step runs, not of the run: a checkpoint neither stores nor checks
+#: them, so a state dict moves between the default and the capturable step.
+_MODE_SETTINGS = ("capturable", "check_every", "candidates")
+
+
 def _settings_of(config: LMConfig) -> dict[str, Any]:
-    """``config`` as a checkpoint stores it (dtypes as strings)."""
-    cfg = asdict(config)
+    """``config`` as a checkpoint stores it (dtypes as strings; no mode settings)."""
+    cfg = {k: v for k, v in asdict(config).items() if k not in _MODE_SETTINGS}
     cfg["gram_dtype"] = None if config.gram_dtype is None else str(config.gram_dtype)
     return cfg
 

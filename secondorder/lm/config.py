@@ -17,6 +17,7 @@ from .._validation import (
     check_number,
     check_open_unit,
 )
+from .capturable import capture_refusal
 from .classifier_defaults import residual_defaults
 from .damping import (
     DAMPING_MATRICES,
@@ -110,6 +111,21 @@ class LMConfig:
             ``"torch"`` (default), ``"numpy"`` or ``"cupynumeric"`` (see
             :mod:`secondorder.lm.linalg.backends`); the array modules offer the solvers
             ``"cholesky"`` and ``"eigh"``.
+        capturable: torch.optim's name and meaning: the step is safe to capture in a
+            CUDA graph.  Every decision (acceptance, λ and ν, the convergence tests)
+            stays on the device and no step reads a device value on the host; on CUDA
+            each batch shape's step is captured once and replayed
+            (:mod:`secondorder.lm.capturable`, :mod:`secondorder.lm.graphs`).  The
+            :class:`~secondorder.lm.records.StepInfo` numbers are then 0-d tensors.
+            Needs the Cholesky solver and the torch backend, without geodesic steps.
+        check_every: with ``capturable``, the host reads whether a step decided to
+            stop (``info.terminated``) on every ``check_every``-th step only, in one
+            read; 0 never reads it.  The cost: up to ``check_every - 1`` steps run
+            after the one that decided to stop (ordinary steps, as when a default
+            run keeps stepping after ``terminated``).
+        candidates: with ``capturable``, the damping values tried in one batched
+            pass per step: λ and what each rejection would raise it to.  1 (default)
+            is one attempt per step; ``max_attempts`` reproduces the default step.
     """
 
     lr: float = 1.0
@@ -141,6 +157,9 @@ class LMConfig:
     cg_forcing: float | None = None
     cg_preconditioner: str = "jacobi"
     linalg_backend: str = "torch"
+    capturable: bool = False
+    check_every: int = 10
+    candidates: int = 1
 
     @classmethod
     def for_residual(cls, residual_fn: object, **options: Any) -> LMConfig:
@@ -220,6 +239,25 @@ class LMConfig:
             raise ValueError(
                 f"Invalid cg_preconditioner={self.cg_preconditioner!r} with solver="
                 f"{self.solver!r}: it preconditions the CG solver; use solver='cg'."
+            )
+        if not isinstance(self.capturable, bool):
+            raise TypeError(f"Invalid capturable={self.capturable!r}: must be True or False.")
+        check_integer("check_every", self.check_every, minimum=0)
+        check_integer("candidates", self.candidates)
+        if self.capturable:
+            refusal = capture_refusal(
+                solver=self.solver,
+                linalg_backend=self.linalg_backend,
+                geodesic=self.geodesic,
+                damping_rule=self.damping_rule,
+            )
+            if refusal is not None:
+                raise ValueError(refusal)
+        elif self.candidates != 1:
+            raise ValueError(
+                f"Invalid candidates={self.candidates!r} with capturable=False: it sets the "
+                "capturable step's batched attempts; use capturable=True, or max_attempts "
+                "for the default step."
             )
         check_choice("linalg_backend", self.linalg_backend, LINALG_BACKENDS)
         if self.linalg_backend != "torch":

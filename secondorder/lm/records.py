@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from .damping import DampingMatrix, DampingRule, DampingState
 from .problem import ModelProblem
 
@@ -36,24 +38,32 @@ class StepInfo:
             which forms no matrix.
         cg_iterations: CG iterations spent in the step (CG solver only).
         timings: seconds per stage (``"linearize"``, ``"solve_and_trials"``, ``"total"``).
+        graph: with ``capturable=True``, how the step ran: ``"captured"``,
+            ``"replayed"`` (a CUDA graph), or ``"eager: <why not a graph>"``.
+
+    With ``capturable=True`` the numbers (``loss`` to ``status``, ``accepted``) are
+    0-d tensors on the solver device, views of one vector: reading one waits for the
+    step, as any read of a device value does.  ``terminated`` is read on the host on
+    every ``check_every``-th step only, and is ``False`` in between.
     """
 
-    loss: float
-    loss_before: float
-    accepted: bool
+    loss: float | Tensor
+    loss_before: float | Tensor
+    accepted: bool | Tensor
     terminated: bool
     reason: str
-    damping: float
-    attempts: int
-    gain_ratio: float
-    step_norm: float
-    status: int
+    damping: float | Tensor
+    attempts: int | Tensor
+    gain_ratio: float | Tensor
+    step_norm: float | Tensor
+    status: int | Tensor
     jacobian: str
     solver: str
     form: str
     cg_iterations: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     gram_dtype: str = ""
+    graph: str = ""
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,11 @@ def step_scalars(record: StepRecord, info: Any) -> Sequence[tuple[str, float]]:
     record's ``details`` (``lr``, or ``lr/0``, ``lr/1``, ... with several groups).
     """
     if isinstance(info, StepInfo):
-        out = [("loss", info.loss), ("damping", info.damping), ("attempts", info.attempts)]
+        out = [
+            ("loss", float(info.loss)),
+            ("damping", float(info.damping)),
+            ("attempts", int(info.attempts)),
+        ]
         if info.solver == "cg":
             out.append(("cg_iterations", info.cg_iterations))
         return out + [(f"time/{k}", v) for k, v in info.timings.items()]

@@ -50,8 +50,8 @@ class LMStep:
             "cg_iterations": info.cg_iterations,
         }
         return StepResult(
-            loss=info.loss,
-            loss_before=info.loss_before,
+            loss=float(info.loss),
+            loss_before=float(info.loss_before),
             terminated=info.terminated,
             reason=info.reason,
             details=details,

@@ -1,8 +1,8 @@
 """Host synchronisations per LM step on CUDA: the rule of ``tests/lm/test_host_sync.py``.
 
-There, a :class:`~torch.overrides.TorchFunctionMode` counts the calls that read a
-device value on the host, on CPU.  Here the same rule (one read per step, plus two
-per attempt) is checked against the synchronisations CUDA itself reports:
+There, a :class:`~torch.overrides.TorchFunctionMode` (``tests/lm/syncs.py``) counts
+the calls that read a device value on the host, on CPU.  Here the same rule (one
+read per step, plus two per attempt) is checked against the synchronisations CUDA itself reports:
 ``torch.cuda.set_sync_debug_mode("warn")`` makes every blocking copy between host and
 device and every stream or device synchronisation issue a warning, which the test
 records with its site.  The model and the inputs are on the GPU from the start, so
@@ -29,21 +29,18 @@ pytestmark = pytest.mark.cuda
 
 
 def _sync_counter_class() -> type[Any]:
-    """``SyncCounter`` of ``tests/lm/test_host_sync.py``, the CPU-side counter.
+    """``SyncCounter`` of ``tests/lm/syncs.py``, the CPU-side counter (loaded from its file).
 
     ``tests`` is a namespace package, which a ``tests`` package installed by another
-    project would shadow: then the module is loaded from its file.
+    project would shadow: the helper is loaded from its file.
     """
-    try:
-        from tests.lm.test_host_sync import SyncCounter
-    except ImportError:
-        path = Path(__file__).parents[1] / "lm" / "test_host_sync.py"
-        spec = importlib.util.spec_from_file_location("_lm_host_sync", path)
-        assert spec is not None and spec.loader is not None, path
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        SyncCounter = module.SyncCounter
-    return SyncCounter
+    path = Path(__file__).parents[1] / "lm" / "syncs.py"
+    spec = importlib.util.spec_from_file_location("_lm_syncs", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    counter: type[Any] = module.SyncCounter
+    return counter
 
 
 def cuda_syncs(fn: Callable[[], Any]) -> tuple[Any, list[str]]:

@@ -1,0 +1,321 @@
+"""The capturable LM iteration: every decision a tensor operation, no host read.
+
+With ``capturable=True`` (torch.optim's name: the step is safe to capture in a CUDA
+graph) one call of :meth:`~secondorder.lm.LevenbergMarquardt.step` linearises the
+batch once and tries ``candidates`` damping values in one batched pass:
+``λ₀ = λ`` and each next one what a rejection of the previous would make it.  The
+gain ratio, acceptance, the convergence tests and the λ and ν updates are masks and
+``torch.where`` on the solver's device, in the damping rule's tensor form
+(:meth:`~secondorder.lm.damping.DampingRule.accepted`); the model's parameters are
+written with the chosen point, which is the old point itself when nothing was
+accepted, so a rejected step leaves them with the same values.
+
+The first candidate accepted, in order of increasing λ, is the attempt the default
+step would have accepted: with ``candidates >= max_attempts`` the two modes take the
+same steps, and with fewer each call runs the first ``candidates`` attempts of the
+default step and carries the raised λ to the next call.  Two differences remain:
+the predicted reduction ``-2gᵀδ - ‖Jδ‖²`` is formed without the default step's
+power-of-two rescaling (the same number unless ``‖Jδ‖²`` overflows the Gram's dtype,
+when the attempt is rejected instead), and ``(2ρ - 1)³`` in Nielsen's rule is two
+products rather than libm's ``pow`` (at most an ulp of λ apart).
+
+Only Cholesky (``torch.linalg.cholesky_ex`` and triangular solves) factors here:
+``torch.linalg.eigh`` waits for the host on CUDA, CG's iteration count depends on
+the data, and the array-module backends live on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..distributed import Reducer
+from .damping import DampingMatrix, DampingRule, DeviceDamping
+from .engine import EngineConfig, Problem
+from .linalg import NormalEquations
+from .linalg.base import _ScaledRows
+
+__all__ = ["REPORT", "DeviceOutcome", "capture_refusal", "device_iteration"]
+
+#: The entries of :attr:`DeviceOutcome.report`, a float64 vector, in order.
+REPORT = (
+    "loss",
+    "loss_before",
+    "accepted",
+    "attempts",
+    "gain_ratio",
+    "step_norm",
+    "status",
+    "stop",
+    "damping",
+)
+
+
+@dataclass
+class DeviceOutcome:
+    """What one capturable iteration did, on the device.
+
+    ``x``: the point the iteration ends at (the old one, same values, when nothing
+    was accepted); ``report``: the numbers of :data:`REPORT` in one float64 vector,
+    so a user who reads them waits once.
+    """
+
+    x: Tensor
+    accepted: Tensor
+    stop: Tensor
+    report: Tensor
+    #: The state after the step, to be stored (:meth:`commit`) once nothing can fail.
+    damping: Tensor
+    nu: Tensor
+    scale: Tensor | None
+
+    def commit(self, state: DeviceDamping) -> None:
+        """Store λ, ν and the running scale into ``state``, in place."""
+        state.damping.copy_(self.damping)
+        state.nu.copy_(self.nu)
+        if self.scale is not None:
+            if state.scale is None or state.scale.shape != self.scale.shape:
+                state.scale = self.scale
+            else:
+                state.scale.copy_(self.scale)
+
+
+def capture_refusal(
+    *, solver: str, linalg_backend: str, geodesic: bool, damping_rule: str
+) -> str | None:
+    """Why these settings can never be captured (``None``: they can).
+
+    The message names the setting, its value and what to use instead.
+    """
+    if linalg_backend != "torch":
+        return (
+            f"Invalid linalg_backend={linalg_backend!r} with capturable=True: that backend "
+            "factors on the host; use linalg_backend='torch'."
+        )
+    if solver not in ("auto", "cholesky"):
+        why = {
+            "cg": "CG's iteration count depends on the data",
+            "eigh": "torch.linalg.eigh waits for the host on CUDA",
+            "qr": "the QR solver reads its failure flag on the host",
+        }.get(solver, "it is not a device-resident solver")
+        return (
+            f"Invalid solver={solver!r} with capturable=True: {why}; use solver='cholesky' "
+            "(or 'auto', which then means Cholesky)."
+        )
+    if geodesic:
+        return (
+            "Invalid geodesic=True with capturable=True: the acceleration's acceptance test "
+            "is decided on the host; use geodesic=False."
+        )
+    if damping_rule not in ("nielsen", "multiplicative"):
+        return (
+            f"Invalid damping_rule={damping_rule!r} with capturable=True: use 'nielsen' or "
+            "'multiplicative'."
+        )
+    return None
+
+
+def _all_finite(tensors: list[Tensor | None]) -> Tensor:
+    """Whether every entry is finite, as a 0-d bool: ``0·t`` sums to 0 exactly when it is."""
+    total: Tensor | None = None
+    for t in tensors:
+        if t is None:
+            continue
+        part = (t * 0).sum().to(torch.float64)
+        total = part if total is None else total + part
+    assert total is not None
+    return total == 0
+
+
+def _gtol_measure(system: NormalEquations) -> Tensor:
+    """MINPACK's ``max |cos|`` between J's columns and r, as :meth:`NormalEquations.scalars`."""
+    rnorm = system.loss_sum.clamp(min=0.0).sqrt()
+    colnorm = system.col_sq.sqrt()
+    ratio = system.grad.abs() / (colnorm * rnorm)
+    cos = torch.where(colnorm > 0, ratio, 0.0).max().to(torch.float64)
+    return torch.where(rnorm > 0, cos, 0.0)
+
+
+def _sequence(
+    rule: DampingRule, state: DeviceDamping, config: EngineConfig, count: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(λ, ν, over)``: the ``count + 1`` values a run of rejections visits from the state.
+
+    Entry k is the state after k rejections (:func:`~.damping.raise_damping` with the
+    engine's restart, then the maximum: ``over[k]`` marks a λ clamped to it).
+    """
+    lams, nus, overs = [state.damping], [state.nu], [torch.zeros_like(state.damping)]
+    lam, nu = state.damping, state.nu
+    for _ in range(count):
+        lam, nu = rule.rejected(lam, nu)
+        lam = torch.where(lam <= 0.0, config.damping_restart, lam).clamp(min=config.damping_min)
+        overs.append((lam > config.damping_max).to(lam.dtype))
+        lam = lam.clamp(max=config.damping_max)
+        lams.append(lam)
+        nus.append(nu)
+    return torch.stack(lams), torch.stack(nus), torch.stack(overs)
+
+
+def _solve(m: Tensor, shift: Tensor, b: Tensor) -> Tensor:
+    """``(m + diag(shift))⁻¹ b`` by Cholesky, NaN where it failed, with no host read.
+
+    On the CPU ``cholesky_solve``, as the default step solves (the same bits); on other
+    devices two triangular solves, which launch no check of their own.
+    """
+    a = m.clone()
+    a.diagonal().add_(shift)
+    low, info = torch.linalg.cholesky_ex(a)
+    rhs = b.to(m.dtype).unsqueeze(-1)
+    if m.device.type == "cpu":
+        y = torch.cholesky_solve(rhs, low)[:, 0]
+    else:
+        z = torch.linalg.solve_triangular(low, rhs, upper=False)
+        y = torch.linalg.solve_triangular(low.mT, z, upper=True)[:, 0]
+    return torch.where(info == 0, y, math.nan)
+
+
+def _directions(
+    system: NormalEquations, d: Tensor, lams: list[Tensor], dtype: torch.dtype
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """The steps ``(JᵀJ + λₖD)⁻¹(-Jᵀr)`` (NaN where Cholesky failed) and their ``Jδ``.
+
+    The dual form solves ``(Js Jsᵀ + λₖI) yₖ = -r`` and has ``Jδₖ = Js Jsᵀ yₖ``; the
+    primal form leaves ``Jδ`` to the Gram (``None``).  The default step's operations,
+    one λ at a time.
+    """
+    deltas: list[Tensor] = []
+    images: list[Tensor | None] = []
+    if system.dual:
+        assert system.jac is not None and system.residuals is not None
+        rows = _ScaledRows(system.jac, d, system.jac.dtype)
+        w = -system.residuals
+        for lam in lams:
+            y = _solve(rows.k, lam, w)
+            deltas.append(rows.step(y).to(dtype))
+            images.append(rows.image)
+        return deltas, images
+    gram = system.gram
+    assert gram is not None, "the capturable step needs the Gram in the primal form"
+    dg = d.to(gram.dtype)
+    b = -system.grad
+    for lam in lams:
+        deltas.append(_solve(gram, lam * dg, b).to(dtype))
+        images.append(None)
+    return deltas, images
+
+
+def _predicted(system: NormalEquations, delta: Tensor, image: Tensor | None) -> Tensor:
+    """``-2gᵀδ - ‖Jδ‖²`` in float64, as :func:`~.measure.predicted_reduction` computes it.
+
+    Without its power-of-two rescaling, which changes no bit unless ``‖Jδ‖²``
+    overflows or underflows the Gram's dtype.
+    """
+    wide = torch.float64
+    linear = torch.dot(system.grad.to(wide), delta.to(wide))
+    if image is not None:
+        curvature = torch.dot(image, image)
+    else:
+        assert system.gram is not None
+        dg = delta.to(system.gram.dtype)
+        curvature = torch.dot(dg, system.gram @ dg)
+    return -2.0 * linear - curvature.to(wide)
+
+
+def device_iteration(
+    problem: Problem,
+    x: Tensor,
+    system: NormalEquations,
+    *,
+    rule: DampingRule,
+    matrix: DampingMatrix,
+    state: DeviceDamping,
+    config: EngineConfig,
+    reducer: Reducer,
+    lr: float,
+    candidates: int,
+) -> DeviceOutcome:
+    """One LM iteration from ``x`` whose decisions are tensor operations (see the module).
+
+    Nothing is written: ``x`` is not modified and :meth:`DeviceOutcome.commit` stores
+    the new state (the caller does once the model is written).  The report's losses are
+    means over the system's residual count.
+    """
+    count = max(system.count, 1)
+    wide = torch.float64
+    loss0 = system.loss_sum.to(wide)
+    finite = _all_finite([system.loss_sum, system.grad, system.col_sq, system.gram])
+    moves = finite & ~(_gtol_measure(system) <= config.gtol)
+    lams, nus, overs = _sequence(rule, state, config, candidates)
+    col = system.col_sq if system.scale_sq is None else system.scale_sq
+    scale = matrix.device_scale(col, state)
+    d = matrix.device_diagonal(col if scale is None else scale, state, config.damping_min)
+    steps, images = _directions(system, d, list(lams[:candidates].unbind()), x.dtype)
+    if lr != 1.0:
+        steps = [lr * v for v in steps]
+        images = [None if im is None else lr * im for im in images]
+    preds = [_predicted(system, v, im) for v, im in zip(steps, images, strict=True)]
+    deltas, pred = torch.stack(steps), torch.stack(preds)
+    if not reducer.is_identity:
+        # Every rank solved the same summed system: take the root's numbers, so the
+        # parameters stay bitwise identical across ranks.
+        reducer.broadcast_([deltas, pred])
+    tries = x + deltas
+    loss1 = torch.stack([torch.as_tensor(problem.loss_sum(t)).to(wide) for t in tries])
+    actual = loss0 - loss1
+    rho = torch.where(pred > 0, actual / pred, -math.inf)
+    evaluated = (loss1 - loss1) == 0  # finite trial loss (and δ: else it is NaN)
+    accept = evaluated & (actual > 0) & (rho > config.min_gain_ratio)
+    step_norm = torch.linalg.vector_norm(deltas.to(wide), dim=-1)
+    xnorm = torch.linalg.vector_norm(x.to(wide))
+    xnorm_try = torch.linalg.vector_norm(tries.to(wide), dim=-1)
+    # Scipy's ftol and xtol tests (status 2, 3, 4), after every evaluated attempt.
+    ftol = config.ftol * loss0
+    ftol_hit = (actual.abs() <= ftol) & (pred <= ftol) & (rho <= 2.0)
+    xtol_hit = step_norm <= config.xtol * (config.xtol + torch.where(accept, xnorm_try, xnorm))
+    status = evaluated * (2.0 * ftol_hit + 3.0 * xtol_hit - (ftol_hit & xtol_hit).to(wide))
+    over = overs[1:] > 0
+    ends = accept | (status > 0) | (~accept & over)
+    if candidates >= config.max_attempts:
+        ends[-1] = True  # attempts exhausted: the default step stops here too
+    first = torch.where(ends, torch.arange(candidates, device=x.device), candidates).min()
+    at = first.clamp(max=candidates - 1).reshape(1)
+    took = ends.any() & accept.index_select(0, at)[0] & moves
+    rho_at = rho.index_select(0, at)[0]
+    lam_acc, nu_acc = rule.accepted(lams.index_select(0, at)[0], nus.index_select(0, at)[0], rho_at)
+    after = (first + 1).clamp(max=candidates).reshape(1)
+    lam_rej, nu_rej = lams.index_select(0, after)[0], nus.index_select(0, after)[0]
+    # A point with non-finite numbers: rejected without a restart, within the bounds.
+    lam_bad, nu_bad = rule.rejected(state.damping, state.nu)
+    lam_bad = lam_bad.clamp(min=config.damping_min, max=config.damping_max)
+    lam_new = torch.where(
+        took, lam_acc.clamp(min=config.damping_min), torch.where(finite, lam_rej, lam_bad)
+    )
+    nu_new = torch.where(took, nu_acc, torch.where(finite, nu_rej, nu_bad))
+    lam_new = torch.where(moves | ~finite, lam_new, state.damping)
+    nu_new = torch.where(moves | ~finite, nu_new, state.nu)
+    x_new = torch.where(took, tries.index_select(0, at)[0], x)
+    status_at = torch.where(ends.any() & moves, status.index_select(0, at)[0], 0.0)
+    gtol_hit = finite & ~moves
+    status_at = torch.where(gtol_hit, 1.0, status_at)
+    stop = gtol_hit | (moves & ends.any() & ~(took & (status_at == 0)))
+    # As the default step counts: none when gtol held, one for a refused point.
+    attempts = torch.where(moves, (first + 1).clamp(max=candidates).to(wide), (~finite).to(wide))
+    report = torch.stack(
+        [
+            torch.where(took, loss1.index_select(0, at)[0], loss0) / count,
+            loss0 / count,
+            took.to(wide),
+            attempts,
+            torch.where(moves, rho_at, torch.where(finite, 0.0, math.nan)),
+            torch.where(took, step_norm.index_select(0, at)[0], 0.0),
+            status_at,
+            stop.to(wide),
+            lam_new,
+        ]
+    )
+    return DeviceOutcome(
+        x=x_new, accepted=took, stop=stop, report=report, damping=lam_new, nu=nu_new, scale=scale
+    )

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # own index: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_INDEX ?=
 
-.PHONY: venv demo bench bench-quick bench-cuda test-cuda scaling bench-kfac bench-shampoo bench-peers scaling-shampoo reliability test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick bench-cuda gpu-check test-cuda scaling bench-kfac bench-shampoo bench-peers scaling-shampoo reliability test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,14 @@ bench-quick: $(VENV)/.bench
 bench-cuda: $(VENV)/.bench
 	$(PY) -m benchmarks.bench --quick --device cuda --no-scaling --out out/bench_cuda --json out/bench_cuda/bench_quick.json
 	$(PY) -m benchmarks.profile_cuda > out/bench_cuda/profile.md
+
+# The GPU check in one run (CUDA tests, LM with and without capturable against its peer,
+# GPU busy) into benchmarks/RESULTS_CUDA.md, nothing fetched (peers from .whl/ if there).
+# No venv is built for it: the machine's python3 holds its CUDA torch.  On the CPU,
+# `make gpu-check GPU_CHECK_ARGS=--dry-run` checks the script itself.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 scaling: venv
 	$(PY) -m benchmarks.scaling

@@ -2,13 +2,13 @@
 
     python -m benchmarks.profile_cuda [--steps 5] [--problems sinc sinc_large wide_dual]
 
-For each problem of the quick suite, secondorder LM (defaults) and, when installed,
-torch-levenberg-marquardt take a few warm-up steps on the GPU and then ``--steps``
-steps under ``torch.profiler``.  Printed per optimizer: the wall time of a step, the
-time the GPU spent in kernels and copies during it (the sum over them; work on
-overlapping streams would count twice), their ratio (below 1 means the
-GPU waits for the host: Python, launches, host reads) and the operators that take most
-of the GPU's time and of the host's.
+For each problem of the quick suite, secondorder LM (defaults and ``capturable=True``)
+and, when installed, torch-levenberg-marquardt take a few warm-up steps on the GPU
+and then ``--steps`` steps under ``torch.profiler``.  Printed per optimizer: the
+wall time of a step, the time the GPU spent in kernels and copies during it (the sum
+over them; work on overlapping streams would count twice), their ratio (below 1
+means the GPU waits for the host: Python, launches, host reads) and the operators
+that take most of the GPU's time and of the host's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from .lm_problems import make_problem
 
 def _steppers(problem: Problem) -> list[tuple[str, Stepper]]:
     out = []
-    for method in (lm_method("secondorder LM (defaults)", {}), tlm_method(problem)):
+    capturable = lm_method("secondorder LM (capturable)", {"capturable": True, "check_every": 0})
+    for method in (lm_method("secondorder LM (defaults)", {}), capturable, tlm_method(problem)):
         if method.make is not None:
             out.append((method.name, method.make(problem, problem.make_model())))
     return out
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warm", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny problems (a dry run)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     if device is None:
@@ -93,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if cuda else "the CPU (no kernels: a dry run)"
     print(f"# LM steps on {name} (torch {torch.__version__})\n")
     for key in args.problems:
-        problem = make_problem(key, "quick").on(device)
+        problem = make_problem(key, "tiny" if args.tiny else "quick").on(device)
         data = batches(problem, 0)[: args.warm + args.steps]
         print(f"## {key}: {problem.title}\n")
         for label, step in _steppers(problem):

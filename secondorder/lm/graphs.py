@@ -10,8 +10,9 @@ and replays it, later ones copy the batch in and replay.  A few shapes are kept
 (:data:`GRAPH_CAPACITY`, least recently used first out).  Where a graph cannot
 serve, the same step runs eagerly and says why (:attr:`StepInfo.graph`): not a
 CUDA device, several devices or processes (gloo and the reducers' failure
-agreement read on the host), a memory plan that slices J, or a capture that failed
-(its error is kept, the shape is not tried again).
+agreement read on the host), or a capture that failed (its error is kept, the shape
+is not tried again).  A memory plan that slices J is captured too: the slice size
+is part of what a graph is kept for, so a new plan captures anew.
 """
 
 from __future__ import annotations
@@ -145,11 +146,6 @@ class CapturableSteps:
             return "several devices (devices=): their copies are not captured"
         if not fn.reducer.is_identity:
             return "several processes: the reducer agrees on failures on the host"
-        if setup.strategy.per_sample and setup.slice_size < setup.batch_size:
-            return (
-                f"the memory plan slices J into slices of {setup.slice_size} samples "
-                f"(batch {setup.batch_size})"
-            )
         return None
 
     def step(

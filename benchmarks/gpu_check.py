@@ -68,7 +68,7 @@ STEPS: list[Step] = [
             "pytest", "-q", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
             "tests/cuda/test_cuda_capturable.py", "-k", "eager_reason",
         ),
-        180.0,
+        170.0,
         _CPU_TESTS,
     ),
     Step(
@@ -76,7 +76,7 @@ STEPS: list[Step] = [
         "LM: aten operations dispatched per sinc step",
         ("benchmarks.lm_capturable", "--device", "cuda", "--ops-only"),
         ("benchmarks.lm_capturable", "--device", "cpu", "--ops-only", "--tiny"),
-        45.0,
+        40.0,
     ),
     Step(
         "lm-step-times",
@@ -89,7 +89,21 @@ STEPS: list[Step] = [
             "benchmarks.lm_capturable", "--device", "cpu", "--step-times", "--tiny",
             "--steps", "2", "--problems", "sinc",
         ),
-        120.0,
+        110.0,
+    ),
+    Step(
+        "lm-candidates",
+        "LM: steps and seconds to target with 1, 2 or 4 damping values per capturable step",
+        (
+            "benchmarks.lm_capturable", "--device", "cuda", "--threads", "4", "--rounds", "1",
+            "--problems", "sinc", "digits_mlp", "--candidates", "1", "2", "4",
+            "--max-steps", "600",
+        ),
+        (
+            "benchmarks.lm_capturable", "--device", "cpu", "--tiny", "--rounds", "1",
+            "--problems", "sinc", "--candidates", "1", "2",
+        ),
+        50.0,
     ),
     Step(
         "lm-profile",
@@ -102,14 +116,14 @@ STEPS: list[Step] = [
             "benchmarks.profile_cuda", "--device", "cpu", "--tiny", "--problems", "sinc",
             "--steps", "1", "--warm", "1", "--top", "3",
         ),
-        75.0,
+        70.0,
     ),
     Step(
         "batch-fits",
         "Batched fits on CUDA",
         ("benchmarks.batch_fits", "--device", "cuda"),
         ("benchmarks.batch_fits", "--device", "cpu"),
-        60.0,
+        40.0,
     ),
 ]  # fmt: skip
 

@@ -118,25 +118,26 @@ def capture_refusal(
     return None
 
 
-def _all_finite(tensors: list[Tensor | None]) -> Tensor:
-    """Whether every entry is finite, as a 0-d bool: ``0·t`` sums to 0 exactly when it is."""
-    total: Tensor | None = None
-    for t in tensors:
-        if t is None:
-            continue
-        part = (t * 0).sum().to(torch.float64)
-        total = part if total is None else total + part
-    assert total is not None
-    return total == 0
+def _all_finite(system: NormalEquations) -> Tensor:
+    """Whether the record holds finite numbers only, as a 0-d bool.
+
+    ``0·t`` sums to 0 exactly when every entry of ``t`` is finite.  The Gram's
+    diagonal is ``col_sq``, which covers J; without a Gram, ``col_sq`` does.
+    """
+    total = system.loss_sum * 0.0 + (system.grad * 0.0).sum()
+    covering = system.gram if system.gram is not None else system.col_sq
+    return (total + (covering * 0.0).sum()) == 0.0
 
 
-def _gtol_measure(system: NormalEquations) -> Tensor:
-    """MINPACK's ``max |cos|`` between J's columns and r, as :meth:`NormalEquations.scalars`."""
+def _moves(system: NormalEquations, finite: Tensor, gtol: float) -> Tensor:
+    """Finite, and MINPACK's ``max |cos|`` between J's columns and r above ``gtol``.
+
+    The measure of :meth:`NormalEquations.scalars` (0 when r or a column is zero).
+    """
     rnorm = system.loss_sum.clamp(min=0.0).sqrt()
     colnorm = system.col_sq.sqrt()
-    ratio = system.grad.abs() / (colnorm * rnorm)
-    cos = torch.where(colnorm > 0, ratio, 0.0).max().to(torch.float64)
-    return torch.where(rnorm > 0, cos, 0.0)
+    ratio = torch.where(colnorm > 0, system.grad.abs() / colnorm, 0.0).max() / rnorm
+    return finite & (torch.where(rnorm > 0, ratio, 0.0) > gtol)
 
 
 def _sequence(
@@ -246,12 +247,15 @@ def device_iteration(
     count = max(system.count, 1)
     wide = torch.float64
     loss0 = system.loss_sum.to(wide)
-    finite = _all_finite([system.loss_sum, system.grad, system.col_sq, system.gram])
-    moves = finite & ~(_gtol_measure(system) <= config.gtol)
-    lams, nus, overs = _sequence(rule, state, config, candidates)
+    finite = _all_finite(system)
+    moves = _moves(system, finite, config.gtol)
     col = system.col_sq if system.scale_sq is None else system.scale_sq
     scale = matrix.device_scale(col, state)
     d = matrix.device_diagonal(col if scale is None else scale, state, config.damping_min)
+    if candidates == 1:
+        head = _Head(problem, x, system, rule, state, config, reducer, lr, count, loss0)
+        return _one_attempt(head, d, finite, moves, scale)
+    lams, nus, overs = _sequence(rule, state, config, candidates)
     steps, images = _directions(system, d, list(lams[:candidates].unbind()), x.dtype)
     if lr != 1.0:
         steps = [lr * v for v in steps]
@@ -312,6 +316,85 @@ def device_iteration(
             torch.where(moves, rho_at, torch.where(finite, 0.0, math.nan)),
             torch.where(took, step_norm.index_select(0, at)[0], 0.0),
             status_at,
+            stop.to(wide),
+            lam_new,
+        ]
+    )
+    return DeviceOutcome(
+        x=x_new, accepted=took, stop=stop, report=report, damping=lam_new, nu=nu_new, scale=scale
+    )
+
+
+@dataclass
+class _Head:
+    """What an iteration's attempts share."""
+
+    problem: Problem
+    x: Tensor
+    system: NormalEquations
+    rule: DampingRule
+    state: DeviceDamping
+    config: EngineConfig
+    reducer: Reducer
+    lr: float
+    count: int
+    loss0: Tensor
+
+
+def _one_attempt(
+    h: _Head, d: Tensor, finite: Tensor, moves: Tensor, scale: Tensor | None
+) -> DeviceOutcome:
+    """:func:`device_iteration` with one candidate: the same decisions, fewer operations."""
+    wide, config, state, x, loss0 = torch.float64, h.config, h.state, h.x, h.loss0
+    lam, nu = state.damping, state.nu
+    (delta,), (image,) = _directions(h.system, d, [lam], x.dtype)
+    if h.lr != 1.0:
+        delta = h.lr * delta
+        image = None if image is None else h.lr * image
+    pred = _predicted(h.system, delta, image)
+    if not h.reducer.is_identity:
+        h.reducer.broadcast_([delta, pred.reshape(1)])
+    x_try = x + delta
+    loss1 = torch.as_tensor(h.problem.loss_sum(x_try)).to(wide)
+    actual = loss0 - loss1
+    rho = torch.where(pred > 0, actual / pred, -math.inf)
+    evaluated = (loss1 - loss1) == 0  # finite trial loss (and δ: else it is NaN)
+    accept = evaluated & (actual > 0) & (rho > config.min_gain_ratio)
+    took = accept & moves
+    x_new = torch.where(took, x_try, x)
+    step_norm = torch.linalg.vector_norm(delta, dtype=wide)
+    # Scipy's ftol and xtol tests (status 2, 3, 4) on the evaluated attempt.
+    ftol = config.ftol * loss0
+    ftol_hit = evaluated & (actual.abs() <= ftol) & (pred <= ftol) & (rho <= 2.0)
+    xnorm = torch.linalg.vector_norm(torch.where(accept, x_try, x), dtype=wide)
+    xtol_hit = evaluated & (step_norm <= config.xtol * (config.xtol + xnorm))
+    status = torch.where(ftol_hit, torch.where(xtol_hit, 4.0, 2.0), torch.where(xtol_hit, 3.0, 0.0))
+    lam_acc, nu_acc = h.rule.accepted(lam, nu, rho)
+    raw, nu_rej = h.rule.rejected(lam, nu)
+    lam_rej = torch.where(raw <= 0.0, config.damping_restart, raw).clamp(min=config.damping_min)
+    over = lam_rej > config.damping_max
+    # A point with non-finite numbers: rejected without a restart, within the bounds.
+    lam_bad = raw.clamp(min=config.damping_min, max=config.damping_max)
+    lam_new = torch.where(
+        took,
+        lam_acc.clamp(min=config.damping_min),
+        torch.where(
+            moves, lam_rej.clamp(max=config.damping_max), torch.where(finite, lam, lam_bad)
+        ),
+    )
+    nu_new = torch.where(took, nu_acc, torch.where(moves | ~finite, nu_rej, nu))
+    gtol_hit = finite & ~moves
+    status = torch.where(gtol_hit, 1.0, torch.where(moves, status, 0.0))
+    stop = gtol_hit | (moves & ((status > 0) | (~accept & over)))
+    report = torch.stack(
+        [
+            torch.where(took, loss1, loss0) / h.count,
+            loss0 / h.count,
+            took.to(wide),
+            (~gtol_hit).to(wide),
+            torch.where(moves, rho, torch.where(finite, 0.0, math.nan)),
+            torch.where(took, step_norm, 0.0),
+            status,
             stop.to(wide),
             lam_new,
         ]

@@ -221,18 +221,24 @@ class ModelProblem:
             # diag(JᵀJ) comes free with the Gram.
             col_sq = gram.diagonal().to(x.dtype).clone()
         wide = torch.float64
-        # The residual count travels with the loss: exact in float64 below 2⁵³ entries.
-        # torch.full fills on the device; torch.tensor would copy from the host, and a
-        # copy from pageable host memory makes a GPU's queue drain first.
-        tally = torch.stack(
-            [
-                sums.loss_sum,
-                torch.full((), float(sums.count), dtype=wide, device=x.device),
-                torch.full((), float(error is not None), dtype=wide, device=x.device),
-            ]
-        )
-        self.reducer.sum_([tally, sums.grad, col_sq] + ([gram] if gram is not None else []))
-        self.reducer.raise_together(error, tally[2], "linearising")
+        if self.reducer.is_identity:
+            # Alone: nothing to sum, and an error is raised as it is.
+            self.reducer.raise_together(error, 0.0, "linearising")
+            loss_sum, count = sums.loss_sum, sums.count
+        else:
+            # The residual count travels with the loss: exact in float64 below 2⁵³
+            # entries.  torch.full fills on the device; torch.tensor would copy from
+            # the host, and a copy from pageable host memory makes a GPU wait.
+            tally = torch.stack(
+                [
+                    sums.loss_sum,
+                    torch.full((), float(sums.count), dtype=wide, device=x.device),
+                    torch.full((), float(error is not None), dtype=wide, device=x.device),
+                ]
+            )
+            self.reducer.sum_([tally, sums.grad, col_sq] + ([gram] if gram is not None else []))
+            self.reducer.raise_together(error, tally[2], "linearising")
+            loss_sum, count = tally[0], self.reducer.total(sums.count, tally[1])
         jac, residuals = self._rows(sums)
         dual = self.form == "dual"
         dual_scale = None
@@ -243,7 +249,7 @@ class ModelProblem:
             dual_scale = (col_sq > tiny).sum().to(torch.float64) / max(jac.shape[0], 1)
         fields: dict[str, Any] = {
             "factor_gram": sums.outer if dual else None,
-            "loss_sum": tally[0],
+            "loss_sum": loss_sum,
             "grad": sums.grad,
             "col_sq": col_sq,
             "gram": gram,
@@ -256,7 +262,7 @@ class ModelProblem:
         # A kept forward pass exists only on one process (see loss_sum).
         check = None if carry is None else carry.check
         system = NormalEquations(
-            count=self.reducer.total(sums.count, tally[1]),
+            count=count,
             carry_check=check,
             reducer=self.reducer,
             rows_sharded=self.rows_sharded,
@@ -279,10 +285,13 @@ class ModelProblem:
         Appends each slice's residual count to ``counts``.
         """
         group, n, wide = self.group, self.n, torch.float64
+        # One slice (a batch holds a sample at least): its sums are assigned, not
+        # added to zeros, and ``x`` holds the places until they are.
+        one = self._one_slice()
         sums = _Sums(
-            loss_sum=torch.zeros((), dtype=wide, device=x.device),
-            grad=torch.zeros(n, dtype=x.dtype, device=x.device),
-            col_sq=torch.zeros(n, dtype=x.dtype, device=x.device),
+            loss_sum=x if one else torch.zeros((), dtype=wide, device=x.device),
+            grad=x if one else torch.zeros(n, dtype=x.dtype, device=x.device),
+            col_sq=x if one else torch.zeros(n, dtype=x.dtype, device=x.device),
             # One partial Gram per device entry, summed on the solver device at the end.
             grams=[None] * len(group),
             jacs=[],
@@ -336,10 +345,19 @@ class ModelProblem:
                         )
                 # The vectors are added on the solver device in slice order, as one
                 # device would add them.
-                sums.loss_sum += group.gather(part_loss)
-                sums.grad += group.gather(part_grad)
+                if one:
+                    # One slice: its sums are the sums (0 + v is v).  The vectors may
+                    # live in buffers the next slice or step writes: copied.
+                    sums.loss_sum = group.gather(part_loss)
+                    sums.grad = group.gather(part_grad).clone()
+                    if store:
+                        sums.col_sq = group.gather(part_col).clone()
+                else:
+                    sums.loss_sum += group.gather(part_loss)
+                    sums.grad += group.gather(part_grad)
+                    if store:
+                        sums.col_sq += group.gather(part_col)
                 if store:
-                    sums.col_sq += group.gather(part_col)
                     sums.jacs.append(group.gather(J))
                     sums.res.append(group.gather(r))
                 # Let go of this slice's rows before the next is computed: the

@@ -21,7 +21,8 @@ from ..lm.damping import (
     make_damping_matrix,
     make_damping_rule,
 )
-from ..lm.engine import EngineConfig, iterate, refuse
+from ..lm.engine import iterate
+from ..lm.iteration import EngineConfig, refuse
 from ..lm.linalg import NormalEquations, make_solver
 from .host import HostQRSolver
 from .options import Options

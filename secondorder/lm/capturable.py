@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..distributed import Reducer
 from .damping import DampingMatrix, DampingRule, DeviceDamping
-from .engine import EngineConfig, Problem
+from .iteration import EngineConfig, Problem
 from .linalg import NormalEquations
 from .linalg.base import _ScaledRows
 

@@ -1,10 +1,10 @@
 """One Levenberg-Marquardt iteration, independent of where the residuals come from.
 
-The engine sees a :class:`Problem` (something that can linearise its residuals at a
-point and evaluate ``Σ r²`` at a trial point) and the parts chosen by the user: a
-linear solver, a damping rule and a damping matrix.  It owns the loop of attempts,
-the gain-ratio acceptance and the termination tests; the model optimizer
-(:class:`~secondorder.lm.LevenbergMarquardt`) and the functional
+The engine sees a :class:`~secondorder.lm.iteration.Problem` (something that can
+linearise its residuals at a point and evaluate ``Σ r²`` at a trial point) and the
+parts chosen by the user: a linear solver, a damping rule and a damping matrix.  It
+owns the loop of attempts, the gain-ratio acceptance and the termination tests; the
+model optimizer (:class:`~secondorder.lm.LevenbergMarquardt`) and the functional
 :func:`~secondorder.fitting.least_squares` are both thin drivers around
 :func:`iterate`.
 
@@ -20,96 +20,19 @@ exceeds ``min_gain_ratio``; a step that raises the loss (ρ ≤ 0) is never kept
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .damping import DampingMatrix, DampingRule, DampingState, StepRecord, raise_damping
+from .iteration import EngineConfig, Outcome, Problem, refuse, unmoved
 from .linalg import Factorization, LinearSolver, NormalEquations
 from .measure import HostView, convergence, measure, measure_on_host
 from .precision import StepPrecision
 
 __all__ = ["EngineConfig", "Outcome", "Problem", "iterate", "refuse"]
-
-
-class Problem(Protocol):
-    """What the engine needs from a least-squares problem at the current batch."""
-
-    def loss_sum(self, x: Tensor) -> Tensor | float:
-        """``Σ r²`` at ``x`` over every residual (reduced over all shares), 0-d or a number."""
-        ...
-
-    def second_directional(
-        self, x: Tensor, v: Tensor, system: NormalEquations
-    ) -> tuple[Tensor, Tensor | None]:
-        """``(Jᵀr_vv, r_vv)`` with ``r_vv = Σᵢⱼ ∂²r/∂xᵢ∂xⱼ vᵢvⱼ`` (for geodesic steps).
-
-        The second element may be ``None`` when the solver does not need it.
-        """
-        ...
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Settings of the attempt loop and of the termination tests (validated upstream)."""
-
-    max_attempts: int = 10
-    min_gain_ratio: float = 1e-4
-    damping_min: float = 1e-12
-    damping_max: float = 1e12
-    #: λ after a rejected attempt that started from λ = 0 (a pure Gauss-Newton step);
-    #: multiplying zero would leave it at zero for ever.
-    damping_restart: float = 1e-3
-    ftol: float = 1e-8
-    xtol: float = 1e-8
-    gtol: float = 1e-8
-    geodesic: bool = False
-    geodesic_alpha: float = 0.75
-
-    @classmethod
-    def of(cls, settings: object, **fixed: Any) -> EngineConfig:
-        """The engine's settings: ``fixed``, else the attribute of ``settings`` of that name.
-
-        The one place both drivers build it: the optimizer passes its
-        :class:`~secondorder.lm.config.LMConfig`, least_squares its options and the
-        bounds it fixes.  A tolerance of ``None`` disables its test (0); a field
-        neither names keeps its default.
-        """
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name in fixed:
-                values[f.name] = fixed[f.name]
-            elif hasattr(settings, f.name):
-                value = getattr(settings, f.name)
-                values[f.name] = 0.0 if value is None and f.name.endswith("tol") else value
-        return cls(**values)
-
-
-@dataclass
-class Outcome:
-    """What one iteration did.
-
-    ``status`` follows scipy.optimize.least_squares: 1 gtol, 2 ftol, 3 xtol, 4 ftol
-    and xtol; 0 means no convergence test fired.  ``stop`` is set when the iteration
-    cannot go on: attempts exhausted, λ at its maximum, or non-finite residuals.
-    """
-
-    x: Tensor
-    accepted: bool
-    loss_sum: float
-    loss_sum_before: float
-    attempts: int
-    status: int
-    reason: str
-    stop: bool
-    gain_ratio: float
-    step_norm: float
-    cg_iterations: int
-    #: The dtype the factorisation formed its matrix in (``None``: none was formed).
-    matrix_dtype: torch.dtype | None = None
 
 
 def _solve(
@@ -175,7 +98,7 @@ class _Loop:
 
     def stopped(self, attempt: int, status: int, reason: str) -> Outcome:
         """The iteration ends at ``x`` without a step."""
-        return _unmoved(
+        return unmoved(
             self.x,
             self.loss0,
             attempts=attempt,
@@ -186,35 +109,6 @@ class _Loop:
             cg_iterations=self.cg_iterations,
             matrix_dtype=self.fact.dtype,
         )
-
-
-def _unmoved(
-    x: Tensor,
-    loss0: float,
-    *,
-    attempts: int,
-    status: int,
-    reason: str,
-    stop: bool,
-    gain_ratio: float,
-    cg_iterations: int = 0,
-    matrix_dtype: torch.dtype | None = None,
-) -> Outcome:
-    """The :class:`Outcome` of an iteration that leaves ``x`` where it was."""
-    return Outcome(
-        x=x,
-        accepted=False,
-        loss_sum=loss0,
-        loss_sum_before=loss0,
-        attempts=attempts,
-        status=status,
-        reason=reason,
-        stop=stop,
-        gain_ratio=gain_ratio,
-        step_norm=0.0,
-        cg_iterations=cg_iterations,
-        matrix_dtype=matrix_dtype,
-    )
 
 
 def iterate(
@@ -246,7 +140,7 @@ def iterate(
     # solve succeed: a failed one must not be evaluated) and one after it (accept?).
     _, loss0, cos = system.scalars()
     if cos <= config.gtol:
-        return _unmoved(
+        return unmoved(
             x,
             loss0,
             attempts=0,
@@ -269,7 +163,7 @@ def iterate(
             damping_max=config.damping_max,
             restart=config.damping_restart,
         )
-        return _unmoved(
+        return unmoved(
             x,
             loss0,
             attempts=1,
@@ -306,28 +200,6 @@ def iterate(
             why = f"damping reached its maximum {config.damping_max:.3g}; last attempt: "
             return loop.stopped(attempt, 0, why + loop.reason)
     return loop.stopped(attempt, 0, f"{allowed} attempts exhausted; last: {loop.reason}")
-
-
-def refuse(
-    x: Tensor,
-    loss_sum: float,
-    *,
-    rule: DampingRule,
-    state: DampingState,
-    config: EngineConfig,
-    reason: str,
-) -> Outcome:
-    """Reject a point whose linearisation holds non-finite numbers: no attempt, λ raised.
-
-    The one rejection of a point for both drivers (the optimizer's step and
-    least_squares' iterations): the rule's ``reject`` without a restart from zero, λ
-    kept within ``[damping_min, damping_max]``, ``x`` unmoved.  ``reason`` is the
-    driver's account of what was not finite.
-    """
-    raise_damping(rule, state, damping_min=config.damping_min, damping_max=config.damping_max)
-    return _unmoved(
-        x, loss_sum, attempts=1, status=0, reason=reason, stop=False, gain_ratio=math.nan
-    )
 
 
 def _residual_w(system: NormalEquations, fact: Factorization) -> Tensor | None:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..distributed.devices import sync_replica
 from .capturable import device_iteration
 from .damping import DampingMatrix, DampingRule, DampingState, DeviceDamping
-from .engine import EngineConfig
+from .iteration import EngineConfig
 from .model import ModelFunction
 from .precision import NATIVE, PrecisionRule, StepPrecision
 from .problem import BatchSetup, ModelProblem

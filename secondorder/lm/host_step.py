@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .damping import DampingMatrix, DampingRule, DampingState
-from .engine import EngineConfig, iterate, refuse
+from .engine import iterate
+from .iteration import EngineConfig, refuse
 from .model import ModelFunction
 from .precision import PrecisionRule
 from .problem import BatchSetup, ModelProblem

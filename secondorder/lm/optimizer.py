@@ -37,9 +37,9 @@ from .checkpoint import STATE_FORMAT_VERSION, Checkpoint, read_state_dict, write
 from .choices import Choices
 from .config import LMConfig
 from .damping import DampingState, make_damping_matrix, make_damping_rule
-from .engine import EngineConfig
 from .graphs import CapturableSteps
 from .host_step import HostStep
+from .iteration import EngineConfig
 from .model import ModelFunction
 from .planner import MemoryPlan, PlanError
 from .precision import GramPrecision, PrecisionRule

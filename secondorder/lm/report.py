@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from .capturable import REPORT
-from .engine import Outcome
 from .graphs import StepRun
+from .iteration import Outcome
 from .linalg import NormalEquations
 from .precision import StepPrecision
 from .problem import ModelProblem

@@ -105,10 +105,15 @@ def _bitwise_params(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+#: The default step, and the capturable one trying every attempt in one pass.
+MODES = {"default": {}, "capturable": {"capturable": True, "candidates": 10}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", list(CASES))
-def test_interrupt_in_a_later_attempt_leaves_no_trace(case: str) -> None:
+def test_interrupt_in_a_later_attempt_leaves_no_trace(case: str, mode: str) -> None:
     sizes, (x, y), inner, slices, options = CASES[case]
-    options = {"jacobian": "reverse", **options}
+    options = {"jacobian": "reverse", **MODES[mode], **options}
     model = _mlp(sizes)
     res = Interrupting(inner, slices)
     opt = so.LevenbergMarquardt(model, res, **options)
@@ -138,11 +143,13 @@ def test_interrupt_in_a_later_attempt_leaves_no_trace(case: str) -> None:
     assert same_state(entries(opt.state_dict()), entries(fresh.state_dict()))
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", ["primal-float32-full-batch", "dual-cross-entropy"])
-def test_a_rejected_step_leaves_the_next_step_unchanged(case: str) -> None:
+def test_a_rejected_step_leaves_the_next_step_unchanged(case: str, mode: str) -> None:
     """A step whose every attempt fails moves λ only: the step after it equals a fresh one's."""
     sizes, (x, y), inner, slices, options = CASES[case]
-    options = {"jacobian": "reverse", "max_attempts": 2, **options}
+    capturable = {"capturable": True, "candidates": 2} if mode == "capturable" else {}
+    options = {"jacobian": "reverse", "max_attempts": 2, **capturable, **options}
     model = _mlp(sizes)
     res = Interrupting(inner, slices)
     opt = so.LevenbergMarquardt(model, res, **options)

@@ -21,7 +21,7 @@ from .model import ModelFunction
 from .precision import PrecisionRule
 from .problem import BatchSetup, ModelProblem
 from .records import StepInfo
-from .report import step_info
+from .report import nonfinite_reason, step_info
 from .writes import write_point
 
 __all__ = ["HostStep"]
@@ -57,7 +57,7 @@ class HostStep:
             precision = rule.dual(damping, system.dual_scale_value() if rule.varies else None)
         timings = {"linearize": t_lin - t_start}
         if not finite:
-            reason = prob.nonfinite_reason(system)
+            reason = nonfinite_reason(system)
             out = refuse(
                 x,
                 loss_sum,

@@ -43,14 +43,19 @@ component of a sample, one backward pass over the batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from .layers import trainable_layers
+
+if TYPE_CHECKING:
+    from .problem import ModelProblem
 
 __all__ = [
     "CG_PRECONDITIONERS",
@@ -58,6 +63,7 @@ __all__ = [
     "KroneckerPreconditioner",
     "KroneckerStats",
     "kronecker_blocks",
+    "kronecker_stats",
     "slice_statistics",
 ]
 
@@ -270,3 +276,59 @@ class KroneckerPreconditioner:
             w = w / (b.prod + damping).clamp(min=tiny)
             b.layer.write(out, (b.qg @ w @ b.qa.T) * su * sv)
         return out
+
+
+def kronecker_stats(problem: ModelProblem, x: Tensor) -> KroneckerStats:
+    """The K-FAC factors of the model's ``nn.Linear`` layers at ``x``, all ranks summed.
+
+    One forward per slice with hooks on the layers, one backward per residual
+    component; ``A`` and ``Σ g gᵀ`` are summed over slices and ranks, then G is
+    divided by the global sample count (:mod:`secondorder.lm.kfac_cg`).  A rank
+    whose model raises here joins the reduction with zeros and a failure flag, as
+    in :meth:`~.problem.ModelProblem.linearize`: every rank raises.
+    """
+    group, fn = problem.group, problem.function
+    layers = kronecker_blocks(fn.model, fn.names, fn.params)
+    wide = torch.float64
+    shapes = [tuple(layer.index.shape) for layer in layers]
+
+    def zeros() -> tuple[list[Tensor], list[Tensor], Tensor]:
+        a = [torch.zeros(c, c, dtype=x.dtype, device=x.device) for _, c in shapes]
+        g = [torch.zeros(o, o, dtype=x.dtype, device=x.device) for o, _ in shapes]
+        # Samples seen, slices walked, the hook calls of each layer, failed ranks.
+        return a, g, torch.zeros(3 + len(layers), dtype=wide, device=x.device)
+
+    a_sum, g_sum, tally = zeros()
+    error: Exception | None = None
+    try:
+        points = fn.points(x)
+        with fn.frozen():
+            for k, inputs, targets in group.stage(problem.slices()):
+                ev = problem.replicas[k]
+                params = {name: p.detach().requires_grad_() for name, p in points[k].items()}
+                samples = len(next(t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)))
+                with group.on(k):
+                    a_parts, g_parts, calls = slice_statistics(
+                        ev.model,
+                        layers,
+                        functools.partial(ev.batch, params, inputs, targets),
+                        samples,
+                    )
+                for i in range(len(layers)):
+                    a_sum[i] += group.gather(a_parts[i])
+                    g_sum[i] += group.gather(g_parts[i])
+                tally[0] += samples
+                tally[1] += 1
+                tally[2:-1] += torch.tensor(calls, dtype=wide, device=x.device)
+    except Exception as exc:
+        # The flag rides in the tally: no collective is added when nothing fails.
+        error = problem.reducer.hold(exc)
+        a_sum, g_sum, tally = zeros()
+        tally[-1] = 1.0
+    problem.reducer.sum_([tally, *a_sum, *g_sum])
+    problem.reducer.raise_together(error, tally[-1], "computing the K-FAC factors")
+    samples_total = max(float(tally[0]), 1.0)
+    # A layer keeps its factors only if its hook fired once in every forward of
+    # every rank: a shared or skipped layer falls back to the Jacobi diagonal.
+    used = [bool(tally[2 + i] == tally[1]) for i in range(len(layers))]
+    return KroneckerStats(layers, a_sum, [g / samples_total for g in g_sum], used)

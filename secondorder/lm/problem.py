@@ -15,30 +15,23 @@ the solver needs them.  The geodesic acceleration's ``r_vv`` is :mod:`.geodesic`
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
 from .geodesic import second_directional
 from .jacobian import FactorGram, JacobianStrategy, ResidualProgram, record_trial
-from .kfac_cg import KroneckerStats, kronecker_blocks, slice_statistics
+from .kfac_cg import kronecker_stats
 from .linalg import LinearSolver, NormalEquations, gram_update
 from .model import ModelEvaluator, ModelFunction, slice_tree
 from .precision import StepPrecision
 
 __all__ = ["BatchSetup", "ModelProblem"]
-
-
-def _leaves(tree: Any) -> list[Tensor]:
-    """The tensors of a batch tree (its first holds the batch dimension)."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
 
 
 @dataclass(frozen=True)
@@ -257,7 +250,7 @@ class ModelProblem:
             "residuals": residuals,
             "dual": dual,
             "dual_scale": dual_scale,
-            "kronecker": self.kronecker(x) if self.needs_kronecker else None,
+            "kronecker": kronecker_stats(self, x) if self.needs_kronecker else None,
         }
         # A kept forward pass exists only on one process (see loss_sum).
         check = None if carry is None else carry.check
@@ -380,61 +373,6 @@ class ModelProblem:
             res=[],
         )
 
-    def kronecker(self, x: Tensor) -> KroneckerStats:
-        """The K-FAC factors of the model's ``nn.Linear`` layers at ``x``, all ranks summed.
-
-        One forward per slice with hooks on the layers, one backward per residual
-        component; ``A`` and ``Σ g gᵀ`` are summed over slices and ranks, then G is
-        divided by the global sample count (:mod:`secondorder.lm.kfac_cg`).  A rank
-        whose model raises here joins the reduction with zeros and a failure flag, as
-        in :meth:`linearize`: every rank raises.
-        """
-        group, fn = self.group, self.function
-        layers = kronecker_blocks(fn.model, fn.names, fn.params)
-        wide = torch.float64
-        shapes = [tuple(layer.index.shape) for layer in layers]
-
-        def zeros() -> tuple[list[Tensor], list[Tensor], Tensor]:
-            a = [torch.zeros(c, c, dtype=x.dtype, device=x.device) for _, c in shapes]
-            g = [torch.zeros(o, o, dtype=x.dtype, device=x.device) for o, _ in shapes]
-            # Samples seen, slices walked, the hook calls of each layer, failed ranks.
-            return a, g, torch.zeros(3 + len(layers), dtype=wide, device=x.device)
-
-        a_sum, g_sum, tally = zeros()
-        error: Exception | None = None
-        try:
-            points = fn.points(x)
-            with fn.frozen():
-                for k, inputs, targets in group.stage(self.slices()):
-                    ev = self.replicas[k]
-                    params = {name: p.detach().requires_grad_() for name, p in points[k].items()}
-                    samples = len(next(iter(_leaves(inputs))))
-                    with group.on(k):
-                        a_parts, g_parts, calls = slice_statistics(
-                            ev.model,
-                            layers,
-                            functools.partial(ev.batch, params, inputs, targets),
-                            samples,
-                        )
-                    for i in range(len(layers)):
-                        a_sum[i] += group.gather(a_parts[i])
-                        g_sum[i] += group.gather(g_parts[i])
-                    tally[0] += samples
-                    tally[1] += 1
-                    tally[2:-1] += torch.tensor(calls, dtype=wide, device=x.device)
-        except Exception as exc:
-            # The flag rides in the tally: no collective is added when nothing fails.
-            error = self.reducer.hold(exc)
-            a_sum, g_sum, tally = zeros()
-            tally[-1] = 1.0
-        self.reducer.sum_([tally, *a_sum, *g_sum])
-        self.reducer.raise_together(error, tally[-1], "computing the K-FAC factors")
-        samples_total = max(float(tally[0]), 1.0)
-        # A layer keeps its factors only if its hook fired once in every forward of
-        # every rank: a shared or skipped layer falls back to the Jacobi diagonal.
-        used = [bool(tally[2 + i] == tally[1]) for i in range(len(layers))]
-        return KroneckerStats(layers, a_sum, [g / samples_total for g in g_sum], used)
-
     def _rows(self, sums: _Sums) -> tuple[Tensor | None, Tensor | None]:
         """J's stored rows and their residuals (every rank's where they must be gathered)."""
         if not self.store_rows:
@@ -498,44 +436,6 @@ class ModelProblem:
         if flag > 0:
             raise ValueError(self._count_message(int(before), int(trial)))
         return total
-
-    @staticmethod
-    def nonfinite_reason(system: NormalEquations) -> str:
-        """What is not finite in a linearisation that :meth:`NormalEquations.scalars` refused.
-
-        Read from the reduced parts alone, after the refusal (no pass over J, no
-        collective, the same on every rank): a finite ``diag(JᵀJ)`` means a finite J,
-        and so does a finite Gram wider than J (J's squares cannot overflow it).
-        """
-
-        def finite(t: Tensor | None) -> bool:
-            return t is None or bool(torch.isfinite(t).all())
-
-        def name(t: Tensor) -> str:
-            return str(t.dtype).removeprefix("torch.")
-
-        advice = "scale the targets and residuals down, or train in float64 with model.double()"
-        known = "at the current parameters, with finite residuals and Jacobian"
-        gram, grad, col_sq = system.gram, system.grad, system.col_sq
-        if not finite(system.loss_sum):
-            return "non-finite residuals or Jacobian at the current parameters"
-        if finite(col_sq):
-            if not finite(grad):
-                return f"Jᵀr overflowed {name(grad)} {known}: {advice}"
-            if gram is not None and not finite(gram):
-                return f"the Gram JᵀJ overflowed {name(gram)} {known}: {advice}"
-        elif gram is not None and gram.dtype.itemsize > col_sq.dtype.itemsize:
-            if finite(gram):
-                return f"diag(JᵀJ) overflowed {name(col_sq)} {known}: {advice}"
-            return (
-                "non-finite Jacobian at the current parameters, with finite residuals: the "
-                "model's derivatives hold NaN or inf there"
-            )
-        return (
-            f"non-finite residuals or Jacobian at the current parameters (the residuals are "
-            f"finite: J holds NaN or inf, or its products overflowed {name(grad)}; if J is "
-            f"finite, {advice})"
-        )
 
     @staticmethod
     def _count_message(before: int, trial: int) -> str:

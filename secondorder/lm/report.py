@@ -27,6 +27,7 @@ __all__ = [
     "SmallBatchWatch",
     "capturable_info",
     "choices_made",
+    "nonfinite_reason",
     "step_info",
 ]
 
@@ -66,6 +67,44 @@ def choices_made(
         "form": prob.form,
         "gram_dtype": "" if dtype is None else str(dtype).replace("torch.", ""),
     }
+
+
+def nonfinite_reason(system: NormalEquations) -> str:
+    """What is not finite in a linearisation that :meth:`~.linalg.NormalEquations.scalars` refused.
+
+    Read from the reduced parts alone, after the refusal (no pass over J, no
+    collective, the same on every rank): a finite ``diag(JᵀJ)`` means a finite J,
+    and so does a finite Gram wider than J (J's squares cannot overflow it).
+    """
+
+    def finite(t: Tensor | None) -> bool:
+        return t is None or bool(torch.isfinite(t).all())
+
+    def name(t: Tensor) -> str:
+        return str(t.dtype).removeprefix("torch.")
+
+    advice = "scale the targets and residuals down, or train in float64 with model.double()"
+    known = "at the current parameters, with finite residuals and Jacobian"
+    gram, grad, col_sq = system.gram, system.grad, system.col_sq
+    if not finite(system.loss_sum):
+        return "non-finite residuals or Jacobian at the current parameters"
+    if finite(col_sq):
+        if not finite(grad):
+            return f"Jᵀr overflowed {name(grad)} {known}: {advice}"
+        if gram is not None and not finite(gram):
+            return f"the Gram JᵀJ overflowed {name(gram)} {known}: {advice}"
+    elif gram is not None and gram.dtype.itemsize > col_sq.dtype.itemsize:
+        if finite(gram):
+            return f"diag(JᵀJ) overflowed {name(col_sq)} {known}: {advice}"
+        return (
+            "non-finite Jacobian at the current parameters, with finite residuals: the "
+            "model's derivatives hold NaN or inf there"
+        )
+    return (
+        f"non-finite residuals or Jacobian at the current parameters (the residuals are "
+        f"finite: J holds NaN or inf, or its products overflowed {name(grad)}; if J is "
+        f"finite, {advice})"
+    )
 
 
 def step_info(

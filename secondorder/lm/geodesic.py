@@ -10,7 +10,7 @@ flag, as the linearisation does: every rank raises.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,15 +18,13 @@ from torch.func import jvp, vjp
 
 from .linalg import NormalEquations
 from .model import ModelEvaluator
-
-if TYPE_CHECKING:
-    from .problem import ModelProblem
+from .walk import BatchWalk
 
 __all__ = ["second_directional"]
 
 
 def second_directional(
-    problem: ModelProblem, x: Tensor, v: Tensor, system: NormalEquations
+    problem: BatchWalk, x: Tensor, v: Tensor, system: NormalEquations
 ) -> tuple[Tensor, Tensor | None]:
     """``(Jᵀr_vv, r_vv)``, ``r_vv`` the second derivative of r along ``v`` (geodesic).
 
@@ -57,7 +55,7 @@ def second_directional(
 
 
 def _on_this_rank(
-    problem: ModelProblem, x: Tensor, v: Tensor, system: NormalEquations
+    problem: BatchWalk, x: Tensor, v: Tensor, system: NormalEquations
 ) -> tuple[Tensor, Tensor]:
     """``(Jᵀr_vv, r_vv)`` on this rank: ``r_vv`` of its rows, ``Jᵀr_vv`` not yet reduced.
 
@@ -102,7 +100,7 @@ def _on_this_rank(
     return b, w
 
 
-def _zeros(problem: ModelProblem, x: Tensor, system: NormalEquations) -> tuple[Tensor, Tensor]:
+def _zeros(problem: BatchWalk, x: Tensor, system: NormalEquations) -> tuple[Tensor, Tensor]:
     """What a rank whose model raised brings to :meth:`second_directional`'s reduction.
 
     ``Jᵀr_vv`` as zeros of its dtype, and as many zero rows of ``r_vv`` as this rank

@@ -46,16 +46,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from .layers import trainable_layers
-
-if TYPE_CHECKING:
-    from .problem import ModelProblem
+from .walk import BatchWalk
 
 __all__ = [
     "CG_PRECONDITIONERS",
@@ -278,7 +276,7 @@ class KroneckerPreconditioner:
         return out
 
 
-def kronecker_stats(problem: ModelProblem, x: Tensor) -> KroneckerStats:
+def kronecker_stats(problem: BatchWalk, x: Tensor) -> KroneckerStats:
     """The K-FAC factors of the model's ``nn.Linear`` layers at ``x``, all ranks summed.
 
     One forward per slice with hooks on the layers, one backward per residual

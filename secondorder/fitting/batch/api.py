@@ -181,13 +181,16 @@ def curve_fit_batch(
         rows.append(x)
     weighted = inv_sigma is not None and inv_sigma.ndim == 2
 
-    def residuals(q: Tensor, ys: Tensor, *rest: Tensor) -> Tensor:
+    def column_residuals(cols: list[Tensor], ys: Tensor, *rest: Tensor) -> Tensor:
         xs = rest[-1] if per_fit else x
-        mu = model(q, xs)
+        mu = model(cols, xs)
         if estimator == "mle":
             return mu
         w = rest[0] if weighted else shared_w
         return (mu - ys) if w is None else (mu - ys) * w
+
+    def residuals(q: Tensor, *rows: Tensor) -> Tensor:
+        return column_residuals([q[:, j : j + 1] for j in range(n)], *rows)
 
     jac_fn = None
     if jac is not None:
@@ -218,6 +221,7 @@ def curve_fit_batch(
         bounded=False,
         m=m,
         n=n,
+        columns=column_residuals,
     )
     res, pcov = _solve(
         problem,
@@ -672,21 +676,21 @@ def _x_scale(
     return s.clone()
 
 
-def _model(f: Callable[..., Any], n: int, m: int) -> Callable[[Tensor, Any], Tensor]:
-    """``(q (B, n), xs) -> f(xs, *columns)``, each column ``(B, 1)``, as ``(B, m)``."""
+def _model(f: Callable[..., Any], n: int, m: int) -> Callable[[list[Tensor], Any], Tensor]:
+    """``(columns, xs) -> f(xs, *columns)`` as ``(B, m)``, each column ``(B, 1)``."""
 
-    def call(q: Tensor, xs: Any) -> Tensor:
-        out = f(xs, *[q[:, j : j + 1] for j in range(n)])
+    def call(cols: list[Tensor], xs: Any) -> Tensor:
+        out = f(xs, *cols)
         if not isinstance(out, Tensor):
             raise TypeError(
                 f"f must return a tensor (write it with torch operations), got {type(out).__name__}"
             )
-        want = (q.shape[0], m)
+        want = (cols[0].shape[0], m)
         try:
             return torch.broadcast_to(out, want)
         except RuntimeError:
             raise ValueError(
-                f"f returned shape {tuple(out.shape)} for {q.shape[0]} fits; expected (B, m) = "
+                f"f returned shape {tuple(out.shape)} for {want[0]} fits; expected (B, m) = "
                 f"{want}, or a shape that broadcasts to it (parameters come as (B, 1) columns)"
             ) from None
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .problem import BatchProblem, Linearization
 from .rule import BatchTrustRegion, RuleState, StepMeasures
-from .small_linalg import quadratic, solve_shifted
+from .small_linalg import norm2, quadratic, solve_columns
 
 __all__ = ["BatchState", "start", "step"]
 
@@ -150,28 +150,25 @@ def step(
     sqrt_d = torch.where(fresh.unsqueeze(-1), d.sqrt(), state.sqrt_d)
     size = transform.start_size(state.y) if transform.bounded else state.y
     size = torch.where(state.rule.started.unsqueeze(-1), state.y, size)
-    state.xs_norm = torch.where(
-        fresh, torch.linalg.vector_norm(sqrt_d * size, dim=-1), state.xs_norm
-    )
-    state.gs_norm = torch.where(
-        fresh, torch.linalg.vector_norm(state.g / sqrt_d, dim=-1), state.gs_norm
-    )
+    state.xs_norm = torch.where(fresh, norm2(sqrt_d * size, dim=-1), state.xs_norm)
+    state.gs_norm = torch.where(fresh, norm2(state.g / sqrt_d, dim=-1), state.gs_norm)
     state.sqrt_d = sqrt_d
     state.attempts = torch.where(fresh, 0, state.attempts)
     state.nfev_start = torch.where(fresh, state.nfev, state.nfev_start)
     state.left_start = torch.where(fresh, left, state.left_start)
     state.fresh = state.fresh & ~active
     # -- λ and the step, in the scaled variable z = D^½δ.
-    sd = sqrt_d.T
-    As = state.A / (sd.unsqueeze(0) * sd.unsqueeze(1))
-    gs = state.g / sqrt_d
+    # Parameter-major (n, B): the batch is the contiguous axis of every solve.
+    sd = sqrt_d.T.contiguous()
+    As = (state.A / (sd.unsqueeze(0) * sd.unsqueeze(1))).contiguous()
+    minus_gs = -(state.g.T.contiguous() / sd)
 
     def solve(lam: Tensor) -> tuple[Tensor, Tensor]:
-        z = -solve_shifted(As, lam, gs)
-        return z, torch.linalg.vector_norm(z, dim=-1)
+        z = solve_columns(As, lam, minus_gs)
+        return z, norm2(z, dim=0)
 
     _, z = rule.choose(state.rule, solve, state.xs_norm, state.gs_norm, active)
-    delta = z / sqrt_d
+    delta = z.T / sqrt_d
     solved = torch.isfinite(delta).all(-1)
     state.attempts = state.attempts + active.to(state.attempts.dtype)
     go = active & solved
@@ -187,15 +184,15 @@ def step(
     evaluated = go & torch.isfinite(c_try)
     slope = (state.g * delta).sum(-1)
     measures = StepMeasures(
-        scaled_norm=torch.linalg.vector_norm(sqrt_d * delta, dim=-1),
+        scaled_norm=norm2(sqrt_d * delta, dim=-1),
         slope=slope,
         actual=state.cost2 - c_try,
-        pred=-2.0 * slope - quadratic(state.A, delta),
+        pred=-2.0 * slope - quadratic(state.A, delta.T),
         loss0=state.cost2,
         loss1=c_try,
-        step_norm=torch.linalg.vector_norm(delta, dim=-1),
-        xnorm_before=torch.linalg.vector_norm(state.y, dim=-1),
-        xnorm_after=torch.linalg.vector_norm(y_try, dim=-1),
+        step_norm=norm2(delta, dim=-1),
+        xnorm_before=norm2(state.y, dim=-1),
+        xnorm_after=norm2(y_try, dim=-1),
     )
     xtol_off = None
     if xtol_in_x > 0:
@@ -220,8 +217,8 @@ def step(
     if xtol_off is not None:
         unit = 1.0 if transform.scale is None else transform.scale
         x_new = transform.to_x(state.y) / unit
-        dx = torch.linalg.vector_norm(x_new - transform.to_x(y_old) / unit, dim=-1)
-        near = dx <= xtol_in_x * (xtol_in_x + torch.linalg.vector_norm(x_new, dim=-1))
+        dx = norm2(x_new - transform.to_x(y_old) / unit, dim=-1)
+        near = dx <= xtol_in_x * (xtol_in_x + norm2(x_new, dim=-1))
         hit = accepted & xtol_off & ((conv == 0) | (conv == 2)) & near
         conv = torch.where(hit, torch.where(conv == 2, 4, 3), conv)
     lin = problem.linearize(state.y, state.f, state.cost2)

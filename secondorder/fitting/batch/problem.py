@@ -125,7 +125,10 @@ class BatchProblem:
     """Residuals ``fun(x, *rows) -> (B, m)`` of ``B`` fits, their Jacobian and objective.
 
     ``jac``: ``jac(x, *rows) -> (B, m, n)`` in ``x``, or ``None`` for forward-mode
-    autodiff (one ``jvp`` per parameter, vectorised by ``vmap``).  ``rows``: per-fit
+    autodiff: one ``jvp`` per parameter through ``columns`` when given (the same
+    residuals as ``columns([x[:, :1], ..., x[:, n-1:]], *rows)``, so each pass carries
+    the tangent of one parameter only), else ``n`` jvps of ``fun`` vectorised by
+    ``vmap``.  ``rows``: per-fit
     tensors (leading dimension ``B``) passed to ``fun`` and ``jac``; ``counts``: Poisson
     counts ``(B, m)``; ``lb``/``ub``/``scale`` ``(B, n)``.
     """
@@ -141,6 +144,7 @@ class BatchProblem:
     bounded: bool
     m: int
     n: int
+    columns: Callable[..., Tensor] | None = None
 
     @property
     def transform(self) -> BoxTransform:
@@ -191,15 +195,46 @@ class BatchProblem:
                 shape = tuple(given.shape) if isinstance(given, Tensor) else type(given).__name__
                 raise ValueError(f"jac must return a tensor of shape {want}, got {shape}")
             return given.detach().to(x.dtype).permute(2, 0, 1)
-        basis = torch.eye(self.n, dtype=x.dtype, device=x.device).unsqueeze(1)
-        basis = basis.expand(self.n, x.shape[0], self.n)
+        if self.columns is not None:
+            J = torch.stack([self._column_derivative(x, j) for j in range(self.n)])
+        elif torch.compiler.is_compiling():
+            # torch.compile traces jvp but not vmap of jvp over dynamic batch sizes.
+            J = torch.stack([self._derivative(x, j) for j in range(self.n)])
+        else:
+            basis = torch.eye(self.n, dtype=x.dtype, device=x.device).unsqueeze(1)
+            basis = basis.expand(self.n, x.shape[0], self.n)
 
-        def column(t: Tensor) -> Tensor:
-            out: Tensor = torch.func.jvp(self.values, (x,), (t,))[1]
+            def column(t: Tensor) -> Tensor:
+                out: Tensor = torch.func.jvp(self.values, (x,), (t,))[1]
+                return out
+
+            J = torch.func.vmap(column)(basis)
+        return J.detach()
+
+    def _derivative(self, x: Tensor, j: int) -> Tensor:
+        """``∂f/∂x_j`` ``(B, m)`` by one jvp along the unit vector ``e_j``."""
+        t = torch.zeros_like(x)  # x's own layout: jvp under torch.compile needs it
+        t[:, j] = 1.0
+        out: Tensor = torch.func.jvp(self.values, (x,), (t,))[1]
+        return out
+
+    def _column_derivative(self, x: Tensor, j: int) -> Tensor:
+        """``∂f/∂x_j`` ``(B, m)`` through ``columns``: only column ``j`` carries a tangent.
+
+        The model's operations that do not involve parameter ``j`` then cost nothing
+        in this pass (a ``vmap`` over all ``n`` tangents carries zeros through them).
+        """
+        assert self.columns is not None
+        columns = self.columns
+        cols = [x[:, k : k + 1] for k in range(self.n)]
+
+        def along(c: Tensor) -> Tensor:
+            out: Tensor = columns([*cols[:j], c, *cols[j + 1 :]], *self.rows)
             return out
 
-        J: Tensor = torch.func.vmap(column)(basis)
-        return J.detach()
+        c = cols[j].contiguous()
+        out: Tensor = torch.func.jvp(along, (c,), (torch.ones_like(c),))[1]
+        return torch.broadcast_to(out, (x.shape[0], self.m))
 
     def linearize(self, y: Tensor, f: Tensor, cost2: Tensor) -> Linearization:
         """The normal equations at ``y`` (residuals ``f``), through the bounds' chain rule.

@@ -178,53 +178,44 @@ class BatchTrustRegion:
         state.nu = torch.where(new, torch.ones_like(state.nu), state.nu)
         state.started = state.started | active
         radius = state.radius
-        z0, n0 = solve(torch.zeros_like(radius))
+        _, n0 = solve(torch.zeros_like(radius))
         newton = torch.isfinite(n0) & (n0 <= 1.1 * radius)
-        lam, z, norm = self._fill_region(solve, radius, gs_norm, state.damping)
+        lam = self._fill_region(solve, radius, gs_norm, state.damping)
         lam = torch.where(newton, torch.zeros_like(lam), lam)
-        z = torch.where(newton.unsqueeze(-1), z0, z)
-        norm = torch.where(newton, n0, norm)
+        # The step at the chosen λ, solved once more: the same operations on the same
+        # numbers as the round that chose it, so the same z, and no z carried per round.
+        z, norm = solve(lam)
         state.damping = torch.where(active, lam, state.damping)
         state.chosen_norm = torch.where(active, norm, state.chosen_norm)
         return lam, z
 
     def _fill_region(
         self, solve: ScaledSolve, radius: Tensor, gnorm: Tensor, guess: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(λ, z, ‖z‖)`` with ``‖z‖`` within 10% of Δ: Illinois regula falsi, 10 solves.
+    ) -> Tensor:
+        """λ with ``‖z(λ)‖`` within 10% of Δ: Illinois regula falsi, at most 10 solves.
 
         ``ψ(λ) = 1/‖z(λ)‖ - 1/Δ`` rises with λ, negative at 0 and not negative at
         ``‖D^-½g‖/Δ``.  As :func:`secondorder.lm.damping._fill_region`, with each fit's
         branches as masks; a fit that has not met the tolerance after 10 solves takes
-        the bracket's upper end.
+        the bracket's upper end (a degenerate bracket, its guess).
         """
         inv = 1.0 / radius
         zero = torch.zeros_like(radius)
-        nan = torch.full_like(radius, math.nan)
         lo, psi_lo = zero, -inv
         hi = gnorm / radius
         degenerate = ~(torch.isfinite(hi) & (hi > 0))
         inside = (guess > 0) & (guess < hi)
         lam = torch.where(inside, guess, hi)
         lam = torch.where(degenerate, torch.where(guess > 0, guess, zero + 1.0), lam)
-        psi_hi, hi_norm, has_hi = nan, nan, torch.zeros_like(degenerate)
-        side = torch.zeros_like(radius)
+        out_lam = lam
+        psi_hi = torch.full_like(radius, math.nan)
+        side = zero
         searching = ~degenerate
-        out_lam, out_norm = lam, nan
-        out_z: Tensor | None = None
-        z_hi: Tensor | None = None
         for _ in range(10):
-            z, norm = solve(lam)
-            if out_z is None:
-                # A degenerate bracket takes the guess as it is (one solve); every other
-                # fit overwrites this below, when it meets the tolerance or at the end.
-                out_z, z_hi = z, z
-                out_norm = torch.where(degenerate, norm, out_norm)
+            _, norm = solve(lam)
             ok = torch.isfinite(norm)
             hit = searching & ok & ((norm - radius).abs() <= 0.1 * radius)
             out_lam = torch.where(hit, lam, out_lam)
-            out_norm = torch.where(hit, norm, out_norm)
-            out_z = torch.where(hit.unsqueeze(-1), z, out_z)
             searching = searching & ~hit
             psi = torch.where(ok & (norm != 0), 1.0 / norm - inv, -inv)
             neg = psi < 0
@@ -234,24 +225,13 @@ class BatchTrustRegion:
             psi_lo = torch.where(neg, psi, halved_lo)
             hi = torch.where(neg, hi, lam)
             psi_hi = torch.where(neg, halved_hi, psi)
-            hi_norm = torch.where(neg, hi_norm, norm)
-            assert z_hi is not None
-            z_hi = torch.where(neg.unsqueeze(-1), z_hi, z)
-            has_hi = has_hi | ~neg
-            side = torch.where(neg, zero - 1.0, zero + 1.0)
+            side = torch.where(neg, -1.0, 1.0)
             falsi = torch.isfinite(psi_hi) & (psi_hi > psi_lo)
-            secant = lo - psi_lo * (hi - lo) / torch.where(falsi, psi_hi - psi_lo, zero + 1.0)
+            secant = lo - psi_lo * (hi - lo) / torch.where(falsi, psi_hi - psi_lo, 1.0)
             fallback = torch.where(lo > 0, 0.5 * (lo + hi), 0.1 * hi)
             nxt = torch.where(falsi, secant, fallback)
             lam = torch.where((lo < nxt) & (nxt < hi), nxt, 0.5 * (lo + hi))
-        assert out_z is not None and z_hi is not None
-        z_end, n_end = solve(hi)
-        end_norm = torch.where(has_hi, hi_norm, n_end)
-        end_z = torch.where(has_hi.unsqueeze(-1), z_hi, z_end)
-        out_lam = torch.where(searching, hi, out_lam)
-        out_norm = torch.where(searching, end_norm, out_norm)
-        out_z = torch.where(searching.unsqueeze(-1), end_z, out_z)
-        return out_lam, out_z, out_norm
+        return torch.where(searching, hi, out_lam)
 
     # ---------------------------------------------------------------- judging
 

@@ -3,15 +3,15 @@
 A fit of a few parameters has an ``n×n`` normal matrix; a batch has one per fit.
 Batched LAPACK (``torch.linalg.cholesky_ex``) pays a per-matrix call for a few dozen
 flops, so for ``n ≤`` :data:`UNROLLED_MAX_N` the Cholesky factorisation is written out
-entry by entry: each entry of ``L`` is one tensor over the whole batch, and the
-factorisation is a few dozen elementwise operations on ``(B,)`` vectors.  The choice of
-threshold was measured (``python -m benchmarks.batch_fits --solve``, recorded in
-``benchmarks/BATCH_FITS.md``).
+entry by entry: each entry of ``L`` is one tensor over the whole batch, and the solve
+is a few dozen elementwise operations on contiguous ``(B,)`` rows (inside
+``torch.compile``, one fused loop over the fits).  The threshold was measured
+(``python -m benchmarks.batch_fits --solve``, recorded in ``benchmarks/BATCH_FITS.md``).
 
-Matrices are stored *parameter-major*, ``A[i, j]`` a tensor of the batch's shape
-(``(n, n, B)``, or ``(n, n)`` for one fit held as 0-d entries), vectors *fit-major*,
-``(B, n)``.  A matrix that is not positive definite gives a non-finite ``z`` in its
-own fit and nowhere else (no exception, no host read).
+Matrices and vectors are stored *parameter-major*: ``A[i, j]`` and ``b[i]`` are
+tensors of the batch's shape (``A`` ``(n, n, *B)``, ``b`` ``(n, *B)``), so the batch is
+the contiguous, vectorised axis.  A matrix that is not positive definite gives a
+non-finite ``z`` in its own fit and nowhere else (no exception, no host read).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["UNROLLED_MAX_N", "gram", "quadratic", "solve_shifted"]
+__all__ = ["UNROLLED_MAX_N", "gram", "norm2", "quadratic", "solve_columns", "solve_shifted"]
 
 #: The largest ``n`` solved by the unrolled factorisation; above it, batched LAPACK.
 UNROLLED_MAX_N = 8
@@ -28,36 +28,57 @@ UNROLLED_MAX_N = 8
 def gram(J: Tensor, weight: Tensor | None = None) -> Tensor:
     """``Σ_k w_k J_ik J_jk`` for ``J`` of shape ``(n, B, m)``: the ``(n, n, B)`` matrix."""
     left = J if weight is None else J * weight
-    return torch.einsum("ibm,jbm->ijb", left, J)
+    # Contiguous: each A[i, j] is then a contiguous row over the batch.
+    return torch.einsum("ibm,jbm->ijb", left, J).contiguous()
+
+
+def norm2(v: Tensor, dim: int) -> Tensor:
+    """The Euclidean norm along ``dim``, as ``√Σv²``.
+
+    ``torch.linalg.vector_norm`` over an axis of a few entries runs a general
+    reduction kernel that costs tens of times the three elementwise passes here.
+    """
+    return (v * v).sum(dim).sqrt()
 
 
 def quadratic(A: Tensor, v: Tensor) -> Tensor:
-    """``vᵀAv`` per fit, for ``A`` ``(n, n, *B)`` and ``v`` ``(*B, n)``."""
-    vt = torch.movedim(v, -1, 0)
-    return (A * vt.unsqueeze(0) * vt.unsqueeze(1)).sum((0, 1))
+    """``vᵀAv`` per fit, for ``A`` ``(n, n, *B)`` and ``v`` ``(n, *B)``."""
+    return (A * v.unsqueeze(0) * v.unsqueeze(1)).sum((0, 1))
 
 
 def solve_shifted(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
-    """``z`` with ``(A + shift·I) z = b`` per fit; ``A`` ``(n, n, *B)``, ``b`` ``(*B, n)``.
+    """:func:`solve_columns` for a fit-major right-hand side: ``b`` and ``z`` ``(*B, n)``."""
+    return torch.movedim(solve_columns(A, shift, torch.movedim(b, -1, 0)), 0, -1)
+
+
+def solve_columns(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
+    """``z`` with ``(A + shift·I) z = b`` per fit; ``A`` ``(n, n, *B)``, ``b`` ``(n, *B)``.
 
     ``shift`` has the batch's shape.  A fit whose shifted matrix is not positive
     definite gets NaN or inf in its ``z``.
     """
     n = A.shape[0]
-    if n <= UNROLLED_MAX_N:
-        return _unrolled(A, shift, b)
+    if n > UNROLLED_MAX_N:
+        return _lapack(A, shift, b)
+    return _unrolled(A, shift, b)
+
+
+def _lapack(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
+    n = A.shape[0]
     M = torch.movedim(torch.movedim(A, 0, -1), 0, -1)  # (*B, n, n)
     M = M + shift[..., None, None] * torch.eye(n, dtype=A.dtype, device=A.device)
     L, _ = torch.linalg.cholesky_ex(M)
     # A failed factorisation leaves a partial L; its zero pivot makes z non-finite.
-    return torch.cholesky_solve(b.unsqueeze(-1), L).squeeze(-1)
+    z = torch.cholesky_solve(torch.movedim(b, 0, -1).unsqueeze(-1), L).squeeze(-1)
+    return torch.movedim(z, -1, 0)
 
 
 def _unrolled(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
     """Cholesky ``LLᵀ`` entry by entry, then forward and back substitution.
 
-    ``inv[j] = 1/L_jj`` from ``rsqrt``: a pivot ≤ 0 gives NaN or inf, which reaches
-    every later entry of that fit's ``z``.
+    Each entry of ``L`` is one ``(B,)`` expression.  ``inv[j] = 1/L_jj`` from
+    ``rsqrt``: a pivot ≤ 0 gives NaN or inf, which reaches every later entry of that
+    fit's ``z``.
     """
     n = A.shape[0]
     L: list[list[Tensor]] = [[] for _ in range(n)]  # L[i][k] for k < i
@@ -74,14 +95,14 @@ def _unrolled(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
             L[i].append(t * inv[j])
     y: list[Tensor] = []
     for i in range(n):
-        t = b[..., i]
+        t = b[i] * inv[i] if i == 0 else b[i]
         for k in range(i):
             t = t - L[i][k] * y[k]
-        y.append(t * inv[i])
+        y.append(t if i == 0 else t * inv[i])
     z: list[Tensor] = [y[0]] * n
     for i in reversed(range(n)):
-        t = y[i]
-        for k in range(i + 1, n):
+        t = y[i] * inv[i] if i == n - 1 else y[i]
+        for k in reversed(range(i + 1, n)):
             t = t - L[k][i] * z[k]
-        z[i] = t * inv[i]
-    return torch.stack(z, dim=-1)
+        z[i] = t if i == n - 1 else t * inv[i]
+    return torch.stack(z)

@@ -11,18 +11,16 @@ The iteration stays on the device (:mod:`.engine`); the host reads one mask ever
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from ..._validation import check_choice, check_integer, check_number
-from ..losses import LOSSES
+from ..._validation import check_choice, check_integer
 from ..result import MESSAGES
+from . import arguments as check
 from .driver import RunOptions, chunk_size, make_progress, run
 from .problem import BatchProblem, Objective
 from .rule import BatchTrustRegion
@@ -37,7 +35,6 @@ BATCH_MESSAGES = {
     -1: "The residuals, cost or Jacobian are not finite (NaN or inf in the data, the start "
     "or the model's values).",
 }
-_EPS = float(np.finfo(np.float64).eps)
 
 
 class BatchResult(dict[str, Any]):
@@ -146,22 +143,22 @@ def curve_fit_batch(
     check_choice("estimator", estimator, ESTIMATORS)
     if not isinstance(absolute_sigma, bool):
         raise TypeError(f"absolute_sigma must be True or False, got {absolute_sigma!r}")
-    dt, dev = _dtype_device(dtype, device, ydata, p0)
-    y = _tensor("ydata", ydata, dt, dev)
+    dt, dev = check.dtype_device(dtype, device, ydata, p0)
+    y = check.as_tensor("ydata", ydata, dt, dev)
     if y.ndim != 2 or y.shape[1] == 0:
         raise ValueError(
             f"ydata must be 2-D (B, m), one row of m > 0 points per fit, got shape {tuple(y.shape)}"
         )
     b, m = y.shape
-    n = _parameter_count(f, p0)
-    lb, ub = _bounds(bounds, b, n, dt, dev)
-    p = _start(f, p0, b, n, lb, ub, dt, dev, name="p0")
-    x = _xdata(xdata, dt, dev)
-    per_fit = _per_fit(x, xdata_per_fit, b, m)
+    n = check.parameter_count(f, p0)
+    lb, ub = check.bounds_pair(bounds, b, n, dt, dev)
+    p = check.starts(f, p0, b, n, lb, ub, dt, dev, name="p0")
+    x = check.xdata(xdata, dt, dev)
+    per_fit = check.per_fit(x, xdata_per_fit, b, m)
     if estimator == "mle":
         if sigma is not None:
             raise ValueError(
-                f"sigma={_short(sigma)} with estimator='mle': Poisson counts have variance "
+                f"sigma={check.short(sigma)} with estimator='mle': Poisson counts have variance "
                 "μ, so there are no weights to give; drop sigma, or pass estimator='lse'"
             )
         if loss != "linear":
@@ -169,8 +166,8 @@ def curve_fit_batch(
                 f"loss={loss!r} with estimator='mle': a robust loss applies to least "
                 "squares; pass loss='linear' or estimator='lse'"
             )
-    inv_sigma = _inverse_sigma(sigma, b, m, dt, dev)
-    model = _model(f, n, m)
+    inv_sigma = check.inverse_sigma(sigma, b, m, dt, dev)
+    model = check.column_model(f, n, m)
     rows: list[Tensor] = [y]
     if inv_sigma is not None and inv_sigma.shape[0] == b and inv_sigma.ndim == 2:
         rows.append(inv_sigma)
@@ -208,7 +205,7 @@ def curve_fit_batch(
             return J if w is None else J * (w if w.ndim == 0 else w.reshape(-1, m))[..., None]
 
     objective = Objective("poisson" if estimator == "mle" else "lse", loss, float(f_scale))
-    _check_loss(loss, f_scale)
+    check.check_loss(loss, f_scale)
     problem = BatchProblem(
         fun=residuals,
         jac=jac_fn,
@@ -303,8 +300,8 @@ def least_squares_batch(
     kw = dict(kwargs or {})
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple of per-fit tensors, got {args!r}")
-    dt, dev = _dtype_device(None, None, None, x0)
-    x_start = _tensor("x0", x0, dt, dev)
+    dt, dev = check.dtype_device(None, None, None, x0)
+    x_start = check.as_tensor("x0", x0, dt, dev)
     if x_start.ndim != 2 or x_start.shape[1] == 0:
         raise ValueError(
             f"x0 must be 2-D (B, n), one start of n > 0 parameters per fit, got shape "
@@ -320,8 +317,8 @@ def least_squares_batch(
                 f"{shape}: per-fit data are sliced with x; pass shared data in kwargs"
             )
         rows.append(a.to(dev))
-    lb, ub = _bounds(bounds, b, n, dt, dev)
-    _check_loss(loss, f_scale)
+    lb, ub = check.bounds_pair(bounds, b, n, dt, dev)
+    check.check_loss(loss, f_scale)
 
     def residuals(q: Tensor, *r: Tensor) -> Tensor:
         out: Tensor = fun(q, *r, **kw)
@@ -395,7 +392,7 @@ def _solve(
     absolute_sigma: bool,
 ) -> tuple[BatchResult, Tensor | None]:
     """Check the run's options, build the rule and the change of variables, run, report."""
-    tols = _tolerances(ftol, xtol, gtol)
+    tols = check.tolerances(ftol, xtol, gtol)
     check_integer("max_nfev", max_nfev, allow_none=True)
     check_integer("check_every", check_every)
     check_integer("chunk_size", chunk, allow_none=True)
@@ -406,10 +403,10 @@ def _solve(
             f"{progress!r}"
         )
     b, n = p.shape
-    scale = _x_scale(x_scale, b, n, p.dtype, p.device)
+    scale = check.x_scale(x_scale, b, n, p.dtype, p.device)
     lo, hi = torch.isfinite(problem.lb), torch.isfinite(problem.ub)
     bounded = bool((lo | hi).any())
-    _feasible(p, problem.lb, problem.ub)
+    check.feasible(p, problem.lb, problem.ub)
     problem = _with_transform(problem, scale, bounded)
     transform = problem.transform
     y0 = transform.to_y(transform.strictly_feasible(p))
@@ -446,252 +443,3 @@ def _with_transform(problem: BatchProblem, scale: Tensor | None, bounded: bool) 
     from dataclasses import replace
 
     return replace(problem, scale=scale, bounded=bounded)
-
-
-# ---------------------------------------------------------------------------------------
-# Checking the call
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _dtype_device(
-    dtype: torch.dtype | None, device: Any, ydata: Any, p0: Any
-) -> tuple[torch.dtype, torch.device]:
-    """The computation's dtype and device: given, else the data's, else float64 on the CPU."""
-    if dtype is not None and dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"Invalid dtype={dtype!r}: must be torch.float32 or torch.float64.")
-    source = next((t for t in (ydata, p0) if isinstance(t, Tensor) and t.is_floating_point()), None)
-    if dtype is None:
-        dtype = source.dtype if source is not None else torch.float64
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(
-                f"the data's dtype {dtype} is not supported: pass float32 or float64 "
-                "tensors, or dtype=torch.float32 / torch.float64"
-            )
-    try:
-        dev = torch.device(device) if device is not None else None
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"Invalid device={device!r}: {exc}") from None
-    if dev is None:
-        dev = source.device if source is not None else torch.device("cpu")
-    return dtype, dev
-
-
-def _tensor(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
-    if isinstance(value, Tensor):
-        if value.is_complex():
-            raise ValueError(f"{name} must be real, got a complex tensor")
-        return value.detach().to(device=device, dtype=dtype)
-    try:
-        arr = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be an array of numbers, got {_short(value)}") from exc
-    return torch.as_tensor(arr, dtype=dtype, device=device)
-
-
-def _xdata(xdata: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    """``xdata`` as a tensor on the fits' device when it is numeric, else as given."""
-    if isinstance(xdata, Tensor):
-        return xdata.detach().to(device=device, dtype=dtype)
-    if isinstance(xdata, (np.ndarray, list, tuple, int, float)):
-        try:
-            return torch.as_tensor(np.asarray(xdata, dtype=np.float64), dtype=dtype, device=device)
-        except (TypeError, ValueError):
-            return xdata
-    return xdata
-
-
-def _per_fit(x: Any, flag: bool | None, b: int, m: int) -> bool:
-    if flag is not None and not isinstance(flag, bool):
-        raise TypeError(f"xdata_per_fit must be None, True or False, got {flag!r}")
-    leading = isinstance(x, Tensor) and x.ndim >= 2 and tuple(x.shape[:2]) == (b, m)
-    if flag is None:
-        return leading
-    if flag and not leading:
-        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(
-            f"xdata_per_fit=True needs xdata of shape (B, m, ...) = ({b}, {m}, ...), got {shape}"
-        )
-    return flag
-
-
-def _parameter_count(f: Callable[..., Any], p0: Any) -> int:
-    if p0 is not None:
-        shape = tuple(p0.shape) if isinstance(p0, Tensor) else np.shape(p0)
-        if len(shape) not in (1, 2) or shape[-1] == 0:
-            raise ValueError(f"p0 must be (n,) or (B, n) with n > 0 parameters, got shape {shape}")
-        return int(shape[-1])
-    try:
-        sig = inspect.signature(f)
-    except (TypeError, ValueError):
-        raise ValueError(
-            "p0 is None and the number of parameters of f cannot be read from its "
-            "signature; pass p0"
-        ) from None
-    params = [
-        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    if len(params) < 2:
-        raise ValueError(
-            f"p0 is None and f{sig} takes no parameters after x; pass p0 or write f(x, p1, p2, ...)"
-        )
-    return len(params) - 1
-
-
-def _start(
-    f: Callable[..., Any],
-    p0: Any,
-    b: int,
-    n: int,
-    lb: Tensor,
-    ub: Tensor,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    name: str,
-) -> Tensor:
-    """``(B, n)`` starts: ``p0`` broadcast, or scipy's default (ones; feasible in bounds)."""
-    if p0 is None:
-        p = torch.ones(b, n, dtype=dtype, device=device)
-        lo, hi = torch.isfinite(lb), torch.isfinite(ub)
-        p = torch.where(lo & hi, 0.5 * (lb + ub), p)
-        p = torch.where(lo & ~hi, lb + 1, p)
-        return torch.where(~lo & hi, ub - 1, p)
-    p = _tensor(name, p0, dtype, device)
-    if p.ndim == 1:
-        p = p.expand(b, n)
-    if p.shape != (b, n):
-        raise ValueError(f"{name} must be (n,) or (B, n) = ({b}, {n}), got {tuple(p.shape)}")
-    return p.clone()
-
-
-def _bounds(
-    bounds: Any, b: int, n: int, dtype: torch.dtype, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """``(lb, ub)`` as ``(B, n)`` tensors; each side a scalar, ``(n,)`` or ``(B, n)``."""
-    if bounds is None:
-        bounds = (-math.inf, math.inf)
-    if hasattr(bounds, "lb") and hasattr(bounds, "ub"):  # scipy.optimize.Bounds
-        bounds = (bounds.lb, bounds.ub)
-    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
-        raise ValueError(f"bounds must be a pair (lb, ub), got {_short(bounds)}")
-    sides = []
-    for side, value in zip(("lb", "ub"), bounds, strict=True):
-        t = _tensor(f"bounds {side}", value, dtype, device)
-        if t.ndim == 0 or t.shape in ((n,), (b, n)):
-            t = t.expand(b, n)
-        else:
-            raise ValueError(
-                f"bounds {side} must be a scalar, ({n},) or ({b}, {n}), got {tuple(t.shape)}"
-            )
-        if bool(torch.isnan(t).any()):
-            raise ValueError(f"bounds {side} contains NaN")
-        sides.append(t)
-    lb, ub = sides
-    if bool((lb >= ub).any()):
-        raise ValueError(
-            "Each lower bound must be strictly less than each upper bound (bounds lb >= ub "
-            "somewhere): pass lb < ub"
-        )
-    return lb, ub
-
-
-def _feasible(p: Tensor, lb: Tensor, ub: Tensor) -> None:
-    outside = (p < lb) | (p > ub)
-    if bool(outside.any()):
-        fit = int(torch.nonzero(outside.any(-1))[0])
-        raise ValueError(
-            f"p0 is outside the bounds for fit {fit}: p0={p[fit].tolist()}, lb={lb[fit].tolist()}"
-            f", ub={ub[fit].tolist()}; pass starts within the bounds"
-        )
-
-
-def _inverse_sigma(
-    sigma: Any, b: int, m: int, dtype: torch.dtype, device: torch.device
-) -> Tensor | None:
-    if sigma is None:
-        return None
-    s = _tensor("sigma", sigma, dtype, device)
-    if s.shape not in ((), (1,), (m,), (b, m)):
-        raise ValueError(
-            f"sigma must be a scalar, ({m},) or ({b}, {m}) standard deviations, got shape "
-            f"{tuple(s.shape)}"
-        )
-    if bool((s <= 0).any()):
-        raise ValueError(
-            "sigma must be > 0 everywhere (standard deviations of ydata); a fit with a "
-            "NaN sigma fails alone, a zero or negative one is refused"
-        )
-    return (1.0 / s).reshape(()) if s.numel() == 1 and s.shape != (b, m) else 1.0 / s
-
-
-def _check_loss(loss: Any, f_scale: Any) -> None:
-    if not isinstance(loss, str):
-        raise TypeError(
-            f"loss must be one of {LOSSES} for batched fits (a callable loss runs on NumPy, "
-            f"one fit at a time), got {loss!r}"
-        )
-    check_choice("loss", loss, LOSSES)
-    check_number("f_scale", f_scale, above=0, type_error=False)
-
-
-def _tolerances(ftol: Any, xtol: Any, gtol: Any) -> tuple[float, float, float]:
-    values = {"ftol": ftol, "xtol": xtol, "gtol": gtol}
-    for name, tol in values.items():
-        if tol is not None:
-            check_number(name, tol, at_least=0, type_error=False)
-    tols = tuple(float(v or 0.0) for v in values.values())
-    if all(t < _EPS for t in tols):
-        raise ValueError(
-            f"At least one of the tolerances must be higher than machine epsilon "
-            f"({_EPS:.2e}), got ftol={ftol!r}, xtol={xtol!r}, gtol={gtol!r}: without one "
-            "the iteration would stop only on max_nfev"
-        )
-    return tols[0], tols[1], tols[2]
-
-
-def _x_scale(
-    x_scale: Any, b: int, n: int, dtype: torch.dtype, device: torch.device
-) -> Tensor | None:
-    """``None`` for ``"jac"`` (Moré's scaling), else the ``(B, n)`` fixed scales."""
-    if isinstance(x_scale, str):
-        if x_scale == "jac":
-            return None
-        raise ValueError(
-            f"Invalid x_scale={x_scale!r}: must be 'jac' or positive numbers (a scalar, (n,) "
-            "or (B, n))."
-        )
-    s = _tensor("x_scale", x_scale, dtype, device)
-    if s.ndim == 0 or s.shape in ((n,), (b, n)):
-        s = s.expand(b, n)
-    else:
-        raise ValueError(
-            f"x_scale must be 'jac', a scalar, ({n},) or ({b}, {n}), got {tuple(s.shape)}"
-        )
-    if not bool((torch.isfinite(s) & (s > 0)).all()):
-        raise ValueError(f"Invalid x_scale={_short(x_scale)}: must be finite and > 0 everywhere.")
-    return s.clone()
-
-
-def _model(f: Callable[..., Any], n: int, m: int) -> Callable[[list[Tensor], Any], Tensor]:
-    """``(columns, xs) -> f(xs, *columns)`` as ``(B, m)``, each column ``(B, 1)``."""
-
-    def call(cols: list[Tensor], xs: Any) -> Tensor:
-        out = f(xs, *cols)
-        if not isinstance(out, Tensor):
-            raise TypeError(
-                f"f must return a tensor (write it with torch operations), got {type(out).__name__}"
-            )
-        want = (cols[0].shape[0], m)
-        try:
-            return torch.broadcast_to(out, want)
-        except RuntimeError:
-            raise ValueError(
-                f"f returned shape {tuple(out.shape)} for {want[0]} fits; expected (B, m) = "
-                f"{want}, or a shape that broadcasts to it (parameters come as (B, 1) columns)"
-            ) from None
-
-    return call

@@ -257,8 +257,10 @@ class BatchProblem:
             g = g * d1
             if raw is not None:
                 raw = raw * d1 * d1 + (curv if transform.bounded else 0.0)
-        col = torch.diagonal(A, dim1=0, dim2=1)
-        dcol = col if raw is None else raw
+        # One layout for every linearisation, so a compiled step sees the same strides.
+        A, g = A.contiguous(), g.contiguous()
+        col = torch.diagonal(A, dim1=0, dim2=1).contiguous()
+        dcol = col if raw is None else raw.contiguous()
         finite = (
             torch.isfinite(cost2)
             & torch.isfinite(g).all(-1)

@@ -1,15 +1,16 @@
 """Batched curve fits: fits per second on Gpufit's 2D Gaussian, against a scipy loop.
 
 Gpufit's benchmark problem: a symmetric 2D Gaussian with a constant background, 5
-parameters, on 5x5 pixels, float32, starts 10% off the truth.  Rounds alternate
-(interleaved) between :func:`secondorder.curve_fit_batch` on all the fits (with
-autodiff Jacobians, and with the model's analytic Jacobian as Gpufit uses) and a
-``scipy.optimize.curve_fit`` loop over a subset, so a burst of load on a shared
-machine hits both alike; medians are reported.  ``--solve`` also times the small
-batched solves (unrolled Cholesky against ``torch.linalg.cholesky_ex``)::
+parameters, on 5x5 pixels, float32, starts 10% off the truth.  Each round times
+:func:`secondorder.curve_fit_batch` on all the fits at every torch thread count asked
+for (with autodiff Jacobians, and with the model's analytic Jacobian as Gpufit uses),
+then a ``scipy.optimize.curve_fit`` loop over a subset, so a burst of load on a shared
+machine hits all alike; medians are reported, with the ratio to the scipy loop.
+``--solve`` also times the small batched solves (unrolled Cholesky against
+``torch.linalg.cholesky_ex``)::
 
-    python -m benchmarks.batch_fits --threads 2
-    python -m benchmarks.batch_fits --device cuda --fits 1000000
+    python -m benchmarks.batch_fits                 # 1 and 2 torch threads
+    python -m benchmarks.batch_fits --device cuda --fits 1000000 --threads 1
     python -m benchmarks.batch_fits --solve
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 import secondorder as so
-from secondorder.fitting.batch.small_linalg import solve_shifted
+from secondorder.fitting.batch.small_linalg import solve_columns
 
 
 def grid(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -104,50 +106,69 @@ def scipy_loop(X: torch.Tensor, y: torch.Tensor, p0: torch.Tensor) -> tuple[floa
 
 
 def bench_fits(args: argparse.Namespace) -> list[str]:
+    """Each round: the batch at every thread count (both Jacobians), then the scipy loop."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     X, y, p0 = problems(args.fits, device, dtype)
     ys, p0s = y[: args.scipy], p0[: args.scipy]
-    times: dict[str, list[float]] = {"autodiff": [], "analytic": [], "scipy": []}
-    info: dict[str, Any] = {}
-    for _ in range(args.rounds):
-        for name, jac in (("autodiff", None), ("analytic", gauss2d_jac)):
-            seconds, out = timed(
-                lambda jac=jac: so.curve_fit_batch(gauss2d, X, y, p0=p0, jac=jac), device
-            )
-            times[name].append(seconds / args.fits)
-            info[name] = out[2]
-        if args.scipy:
-            seconds, ok = scipy_loop(X, ys, p0s)
-            times["scipy"].append(seconds / args.scipy)
-            info["scipy_ok"] = ok
+    threads = sorted(set(args.threads))
+    methods = [(name, t) for t in threads for name in ("autodiff", "analytic")]
+    times: dict[Any, list[float]] = {key: [] for key in methods}
+    times["scipy"] = []
+    info: dict[Any, Any] = {}
+    before = torch.get_num_threads()
+    # A first call pays one-off costs (functorch sets up its forward-mode rules).
+    so.curve_fit_batch(gauss2d, X, y[:64], p0=p0[:64])
+    try:
+        for _ in range(args.rounds):
+            for name, t in methods:
+                torch.set_num_threads(t)
+                jac = gauss2d_jac if name == "analytic" else None
+                seconds, out = timed(
+                    lambda jac=jac: so.curve_fit_batch(gauss2d, X, y, p0=p0, jac=jac), device
+                )
+                times[name, t].append(seconds / args.fits)
+                info[name, t] = out[2]
+            if args.scipy:
+                seconds, ok = scipy_loop(X, ys, p0s)
+                times["scipy"].append(seconds / args.scipy)
+                info["scipy_ok"] = ok
+    finally:
+        torch.set_num_threads(before)
     med = {k: statistics.median(v) for k, v in times.items() if v}
     lines = [
         f"- command: `python -m benchmarks.batch_fits {' '.join(args.argv)}`",
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: "
         f"{platform.processor() or platform.machine()}, {_device_name(device)}; torch "
-        f"{torch.__version__}; torch threads {torch.get_num_threads()}",
+        f"{torch.__version__}; load average {_load()}",
         f"- {args.fits} fits of a 2D Gaussian (5 parameters, 5x5 pixels), {args.dtype}, "
-        f"{args.rounds} interleaved rounds, medians",
+        f"{args.rounds} interleaved rounds (each: every thread count, then scipy), medians",
         "",
-        "| method | µs per fit | fits/s | success | mean nfev |",
-        "|---|---:|---:|---:|---:|",
+        "| method | torch threads | µs per fit | fits/s | scipy loop / this | success "
+        "| mean nfev |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in ("autodiff", "analytic"):
-        res = info[name]
+    for name, t in methods:
+        res, sec = info[name, t], med[name, t]
+        ratio = f"{med['scipy'] / sec:.1f}x" if "scipy" in med else ""
         lines.append(
-            f"| curve_fit_batch, {name} Jacobian | {1e6 * med[name]:.2f} | "
-            f"{1 / med[name]:,.0f} | {float(res.success.double().mean()):.4f} | "
+            f"| curve_fit_batch, {name} Jacobian | {t} | {1e6 * sec:.2f} | {1 / sec:,.0f} | "
+            f"{ratio} | {float(res.success.double().mean()):.4f} | "
             f"{float(res.nfev.double().mean()):.2f} |"
         )
     if "scipy" in med:
         lines.append(
-            f"| scipy curve_fit loop (float64, {args.scipy} fits) | {1e6 * med['scipy']:.1f} | "
-            f"{1 / med['scipy']:,.0f} | {info['scipy_ok'] / args.scipy:.4f} | |"
+            f"| scipy curve_fit loop (float64, {args.scipy} fits) | | {1e6 * med['scipy']:.1f} | "
+            f"{1 / med['scipy']:,.0f} | 1.0x | {info['scipy_ok'] / args.scipy:.4f} | |"
         )
-        lines.append("")
-        for name in ("autodiff", "analytic"):
-            lines.append(f"- ratio scipy / batch ({name}): {med['scipy'] / med[name]:.1f}x")
+    lines.append(f"- load average after the run: {_load()}")
     return lines
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def bench_solve(args: argparse.Namespace) -> list[str]:
@@ -165,6 +186,7 @@ def bench_solve(args: argparse.Namespace) -> list[str]:
             M = J.mT @ J
             A = M.permute(1, 2, 0).contiguous()
             b = torch.randn(args.fits, n, dtype=dtype, device=device)
+            b_cols = b.T.contiguous()
             lam = torch.full((args.fits,), 1e-3, dtype=dtype, device=device)
             eye = torch.eye(n, dtype=dtype, device=device)
 
@@ -175,9 +197,9 @@ def bench_solve(args: argparse.Namespace) -> list[str]:
                 return torch.cholesky_solve(b.unsqueeze(-1), L)
 
             def unrolled(
-                A: torch.Tensor = A, lam: torch.Tensor = lam, b: torch.Tensor = b
+                A: torch.Tensor = A, lam: torch.Tensor = lam, b: torch.Tensor = b_cols
             ) -> torch.Tensor:
-                return solve_shifted(A, lam, b)
+                return solve_columns(A, lam, b)
 
             t_l = statistics.median(timed(lapack, device)[0] for _ in range(7))
             t_u = statistics.median(timed(unrolled, device)[0] for _ in range(7))
@@ -191,7 +213,7 @@ def bench_solve(args: argparse.Namespace) -> list[str]:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{torch.get_num_threads()}-thread CPU"
+    return "CPU"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -201,16 +223,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fits", type=int, default=20000)
     parser.add_argument("--scipy", type=int, default=300, help="fits in the scipy loop (0: none)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts to time"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--solve", action="store_true", help="time the batched solves too")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
-    torch.set_num_threads(args.threads)
     lines = bench_fits(args)
     if args.solve:
-        lines += ["", *bench_solve(args)]
+        before = torch.get_num_threads()
+        torch.set_num_threads(min(args.threads))
+        try:
+            lines += ["", *bench_solve(args)]
+        finally:
+            torch.set_num_threads(before)
     print("\n".join(lines))
 
 

@@ -16,6 +16,8 @@ non-finite ``z`` in its own fit and nowhere else (no exception, no host read).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -67,9 +69,10 @@ def _lapack(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
     n = A.shape[0]
     M = torch.movedim(torch.movedim(A, 0, -1), 0, -1)  # (*B, n, n)
     M = M + shift[..., None, None] * torch.eye(n, dtype=A.dtype, device=A.device)
-    L, _ = torch.linalg.cholesky_ex(M)
-    # A failed factorisation leaves a partial L; its zero pivot makes z non-finite.
+    L, info = torch.linalg.cholesky_ex(M)
+    # A failed factorisation leaves a partial L whose solve can be finite: mark it NaN.
     z = torch.cholesky_solve(torch.movedim(b, 0, -1).unsqueeze(-1), L).squeeze(-1)
+    z = torch.where((info == 0).unsqueeze(-1), z, math.nan)
     return torch.movedim(z, -1, 0)
 
 

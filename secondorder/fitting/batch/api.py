@@ -21,6 +21,7 @@ from torch import Tensor
 from ..._validation import check_choice, check_integer
 from ..result import MESSAGES
 from . import arguments as check
+from .compiled import CPU_SLOTS
 from .driver import RunOptions, chunk_size, make_progress, run
 from .problem import BatchProblem, Objective
 from .rule import BatchTrustRegion
@@ -79,6 +80,7 @@ def curve_fit_batch(
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     progress: Any = None,
+    compile: bool = False,
 ) -> tuple[Tensor, Tensor, BatchResult]:
     """Fit ``ydata[b] ≈ f(xdata, *p[b])`` for every fit ``b``; scipy's ``curve_fit`` per fit.
 
@@ -133,6 +135,12 @@ def curve_fit_batch(
             GiB on a CPU).
         progress: ``True`` for a progress bar (tqdm if installed), or a callable
             ``progress(done, total)`` called as fits finish.
+        compile: run each attempt through ``torch.compile`` (opt-in): the first call
+            for a model and dtype compiles for tens of seconds (torch caches the code
+            on disk), then each attempt is a few fused loops over the fits instead of
+            thousands of tensor operations; worth it for hundreds of thousands of fits
+            (``benchmarks/BATCH_FITS.md``).  Fits run in ``chunk_size`` slots that
+            are refilled as fits finish (default on a CPU: 4096, sized for its caches).
 
     Returns:
         ``(popt, pcov, info)``: ``popt`` ``(B, n)``, ``pcov`` ``(B, n, n)`` (inf where
@@ -232,6 +240,7 @@ def curve_fit_batch(
         chunk=chunk_size,
         memory_budget=memory_budget,
         progress=progress,
+        compile=compile,
         covariance=True,
         absolute_sigma=absolute_sigma or estimator == "mle",
     )
@@ -258,6 +267,7 @@ def least_squares_batch(
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     progress: Any = None,
+    compile: bool = False,
 ) -> BatchResult:
     """Solve ``min ½Σρ(f_b(x_b)²)`` for every fit ``b``; scipy's ``least_squares`` per fit.
 
@@ -287,6 +297,7 @@ def least_squares_batch(
         chunk_size: as :func:`curve_fit_batch`.
         memory_budget: as :func:`curve_fit_batch`.
         progress: as :func:`curve_fit_batch`.
+        compile: as :func:`curve_fit_batch`.
 
     Returns:
         A :class:`BatchResult`.
@@ -365,6 +376,7 @@ def least_squares_batch(
         chunk=chunk_size,
         memory_budget=memory_budget,
         progress=progress,
+        compile=compile,
         covariance=False,
         absolute_sigma=False,
     )
@@ -388,6 +400,7 @@ def _solve(
     chunk: int | None,
     memory_budget: int | None,
     progress: Any,
+    compile: bool,
     covariance: bool,
     absolute_sigma: bool,
 ) -> tuple[BatchResult, Tensor | None]:
@@ -397,6 +410,8 @@ def _solve(
     check_integer("check_every", check_every)
     check_integer("chunk_size", chunk, allow_none=True)
     check_integer("memory_budget", memory_budget, allow_none=True)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
     if not (progress is None or isinstance(progress, bool) or callable(progress)):
         raise TypeError(
             f"progress must be None, True/False or a callable progress(done, total), got "
@@ -413,6 +428,8 @@ def _solve(
     rule = BatchTrustRegion(ftol=tols[0], xtol=tols[1], gtol=tols[2], identity=scale is not None)
     budget = int(max_nfev) if max_nfev is not None else 100 * n
     size = chunk or chunk_size(b, problem.m, n, p.dtype, p.device, memory_budget)
+    if compile and chunk is None and p.device.type == "cpu":
+        size = min(size, CPU_SLOTS)
     opts = RunOptions(
         budget=budget,
         damping=1e-3,
@@ -422,6 +439,7 @@ def _solve(
         xtol_in_x=tols[1] if bounded else 0.0,
         covariance=covariance,
         absolute_sigma=absolute_sigma,
+        compiled=compile,
     )
     out = run(problem, y0, rule, opts)
     statuses = out.status.tolist()

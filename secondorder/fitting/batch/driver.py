@@ -27,7 +27,7 @@ from .engine import BatchState, start, step
 from .problem import BatchProblem
 from .rule import BatchTrustRegion
 
-__all__ = ["Outputs", "RunOptions", "chunk_size", "run"]
+__all__ = ["Outputs", "RunOptions", "chunk_size", "max_steps", "run"]
 
 #: The CPU memory a chunk may use when no ``memory_budget`` is given (bytes).
 CPU_BUDGET = 1 << 30
@@ -47,6 +47,7 @@ class RunOptions:
     xtol_in_x: float
     covariance: bool
     absolute_sigma: bool
+    compiled: bool = False
 
 
 @dataclass
@@ -131,6 +132,30 @@ def run(problem: BatchProblem, y0: Tensor, rule: BatchTrustRegion, opts: RunOpti
         nit=torch.empty(total, dtype=torch.int64, device=y0.device),
         pcov=y0.new_empty(total, n, n) if opts.covariance else None,
     )
+    if opts.compiled:
+        from .compiled import run_slots
+
+        def write(state: Any, sub: BatchProblem, positions: Tensor) -> None:
+            _write(state, sub, positions, out)
+
+        run_slots(
+            problem,
+            y0,
+            rule,
+            width=opts.chunk,
+            budget=opts.budget,
+            damping=opts.damping,
+            check_every=opts.check_every,
+            xtol_in_x=opts.xtol_in_x,
+            max_steps=max_steps(opts.budget),
+            write=write,
+            progress=opts.progress,
+        )
+        if opts.covariance:
+            for lo in range(0, total, opts.chunk):
+                index = torch.arange(lo, min(total, lo + opts.chunk), device=y0.device)
+                _chunk_covariance(problem.take(index), index, opts, out)
+        return out
     finished = 0
     for lo in range(0, total, opts.chunk):
         hi = min(total, lo + opts.chunk)
@@ -141,6 +166,16 @@ def run(problem: BatchProblem, y0: Tensor, rule: BatchTrustRegion, opts: RunOpti
         if opts.covariance:
             _chunk_covariance(sub, index, opts, out)
     return out
+
+
+def max_steps(budget: int) -> int:
+    """Attempts after which a fit is written out as it stands.
+
+    Every attempt costs an evaluation or raises λ tenfold (at most ~60 times before the
+    cap ends the iteration), so a fit that follows the rule never reaches this bound;
+    it only guarantees the loop ends.
+    """
+    return 2 * budget + 100
 
 
 def _run_chunk(
@@ -155,10 +190,7 @@ def _run_chunk(
 ) -> int:
     """Step one chunk until every fit is done; write results as fits finish."""
     state = start(problem, y0, opts.damping)
-    # Every attempt costs an evaluation or raises λ tenfold (at most ~60 times before
-    # the cap ends the iteration), so this bound is never reached by a fit that follows
-    # the rule; it only guarantees the loop ends.
-    max_steps = 2 * opts.budget + 100
+    limit = max_steps(opts.budget)
     steps = 0
     finished = finished_before
     while True:
@@ -166,7 +198,7 @@ def _run_chunk(
             step(state, problem, rule, budget=opts.budget, xtol_in_x=opts.xtol_in_x)
         steps += opts.check_every
         done = np.asarray(state.done.tolist(), dtype=bool)  # the one host read
-        if steps >= max_steps:
+        if steps >= limit:
             done[:] = True
         count = int(done.sum())
         if count == done.size:

@@ -74,6 +74,17 @@ class BatchState:
                 out[f.name] = value[index]
         return BatchState(**out)
 
+    def put(self, index: Tensor, other: BatchState) -> None:
+        """Write ``other`` (one fit per entry of ``index``) into these fits, in place."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "rule":
+                value.put(index, other.rule)
+            elif f.name == "A":
+                value[..., index] = other.A
+            else:
+                value[index] = getattr(other, f.name)
+
 
 def _set(state: BatchState, lin: Linearization, where: Tensor | None = None) -> None:
     """Store ``lin`` as the state's linearisation (where ``where``, if given)."""
@@ -85,6 +96,17 @@ def _set(state: BatchState, lin: Linearization, where: Tensor | None = None) -> 
     state.g = torch.where(w, lin.g, state.g)
     state.col = torch.where(w, lin.col, state.col)
     state.dcol = torch.where(w, lin.dcol, state.dcol)
+
+
+def _separate() -> None:
+    """Under ``torch.compile``, end one graph and start another here (eagerly, nothing).
+
+    The search for λ reads only contiguous per-fit rows, so its loops vectorise over
+    the fits when its inputs are a graph's inputs; fused with the iteration's start,
+    the compiler recomputes the fit-major ``(B, n)`` reductions inside every round.
+    """
+    if torch.compiler.is_compiling():
+        torch._dynamo.graph_break()
 
 
 def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
@@ -102,10 +124,10 @@ def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
         A=lin.A,
         g=lin.g,
         col=lin.col,
-        dcol=lin.dcol,
+        dcol=lin.dcol.clone(),
         sqrt_d=torch.ones_like(y0),
         xs_norm=batch,
-        gs_norm=batch,
+        gs_norm=batch.clone(),
         rule=RuleState.initial(damping, y0),
         fresh=torch.ones(b, dtype=torch.bool, device=y0.device),
         done=~lin.finite,
@@ -113,11 +135,13 @@ def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
         nfev=ints + 1,
         nit=ints,
         njev=ints + 1,
-        attempts=ints,
-        nfev_start=ints,
-        left_start=ints,
-        last_try=y0,
+        attempts=ints.clone(),
+        nfev_start=ints.clone(),
+        left_start=ints.clone(),
+        last_try=y0.clone(),
     )
+    # No two fields share a tensor: a compiled step is specialised to its inputs'
+    # aliasing, and the fields it returns are always distinct.
     return state
 
 
@@ -167,7 +191,9 @@ def step(
         z = solve_columns(As, lam, minus_gs)
         return z, norm2(z, dim=0)
 
+    _separate()
     _, z = rule.choose(state.rule, solve, state.xs_norm, state.gs_norm, active)
+    _separate()
     delta = z.T / sqrt_d
     solved = torch.isfinite(delta).all(-1)
     state.attempts = state.attempts + active.to(state.attempts.dtype)

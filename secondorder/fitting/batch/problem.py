@@ -162,6 +162,18 @@ class BatchProblem:
             scale=None if self.scale is None else self.scale[index],
         )
 
+    def put(self, index: Tensor, other: BatchProblem) -> None:
+        """Write ``other``'s per-fit data into these fits' rows at ``index``, in place."""
+        for mine, theirs in zip(self.rows, other.rows, strict=True):
+            mine[index] = theirs
+        pairs = [(self.lb, other.lb), (self.ub, other.ub)]
+        if self.counts is not None and other.counts is not None:
+            pairs.append((self.counts, other.counts))
+        if self.scale is not None and other.scale is not None:
+            pairs.append((self.scale, other.scale))
+        for mine, theirs in pairs:
+            mine[index] = theirs
+
     def values(self, x: Tensor) -> Tensor:
         """``fun(x, *rows)`` as ``(B, m)``."""
         out = self.fun(x, *self.rows)

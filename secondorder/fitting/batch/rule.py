@@ -61,6 +61,11 @@ class RuleState:
         """The state of the fits at ``index`` (a 1-D index tensor)."""
         return RuleState(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def put(self, index: Tensor, other: RuleState) -> None:
+        """Write ``other`` (one fit per entry of ``index``) into these fits, in place."""
+        for f in fields(self):
+            getattr(self, f.name)[index] = getattr(other, f.name)
+
 
 @dataclass(frozen=True)
 class StepMeasures:

@@ -30,6 +30,12 @@ UNROLLED_MAX_N = 8
 def gram(J: Tensor, weight: Tensor | None = None) -> Tensor:
     """``Σ_k w_k J_ik J_jk`` for ``J`` of shape ``(n, B, m)``: the ``(n, n, B)`` matrix."""
     left = J if weight is None else J * weight
+    if torch.compiler.is_compiling():
+        # Sums the compiler fuses with the Jacobian's own loop (a batched matmul of
+        # n×m by m×n matrices is one library call per fit).
+        n = J.shape[0]
+        rows = [torch.stack([(left[i] * J[j]).sum(-1) for j in range(n)]) for i in range(n)]
+        return torch.stack(rows)
     # Contiguous: each A[i, j] is then a contiguous row over the batch.
     return torch.einsum("ibm,jbm->ijb", left, J).contiguous()
 

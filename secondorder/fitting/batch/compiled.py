@@ -1,0 +1,108 @@
+"""Running the attempts through ``torch.compile``: a fixed set of slots, refilled.
+
+The eager driver (:mod:`.driver`) shrinks its working set as fits finish.  A compiled
+step is specialised to its batch size (forward mode's broadcasting rules read the
+sizes), so here the working set keeps one size: ``width`` slots, each holding one fit.
+Every ``check_every`` attempts the host reads the ``done`` mask (the one read), writes
+the finished fits out and starts the next fits of the queue in their slots
+(:func:`~.engine.start`, eagerly, on those fits only); a slot with no fit left to take
+stays done, and its values are never written again.  The step itself is
+:func:`~.engine.step`, unchanged: every operation is per fit, so a fit's numbers do
+not depend on the slot it runs in or on its neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .engine import start
+from .problem import BatchProblem
+from .rule import BatchTrustRegion
+
+__all__ = ["CPU_SLOTS", "compiled_step", "run_slots"]
+
+#: Slots of a compiled run on a CPU when ``chunk_size`` is not given: the working set
+#: of an attempt then stays in the caches, and few slots idle while the last fits run.
+CPU_SLOTS = 4096
+
+_COMPILED_STEP: Callable[..., None] | None = None
+
+
+def compiled_step() -> Callable[..., None]:
+    """:func:`~.engine.step` through ``torch.compile``, made once per process.
+
+    The step has no host read and no data-dependent branch, so each batch size, model
+    and dtype compiles to one graph, its few thousand elementwise operations fused
+    into a few loops over the fits.  torch keeps the compiled code in its on-disk
+    cache, so a later process with the same model skips most of the compile time.
+    """
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        from . import engine
+
+        _COMPILED_STEP = torch.compile(engine.step, dynamic=False)
+    return _COMPILED_STEP
+
+
+def run_slots(
+    problem: BatchProblem,
+    y0: Tensor,
+    rule: BatchTrustRegion,
+    *,
+    width: int,
+    budget: int,
+    damping: float,
+    check_every: int,
+    xtol_in_x: float,
+    max_steps: int,
+    write: Callable[[object, BatchProblem, Tensor], None],
+    progress: Callable[[int, int], object] | None,
+) -> None:
+    """Fit every fit of ``problem`` from ``y0`` in ``width`` slots; ``write`` stores results.
+
+    ``write(state, problem, positions)`` receives the finished fits' state, their
+    problem and their positions in the whole batch.
+    """
+    total = y0.shape[0]
+    device = y0.device
+    width = max(1, min(width, total))
+    first = torch.arange(width, device=device)
+    # The slots' own copy of the per-fit data (contiguous, written as fits move in).
+    work = problem.take(first)
+    state = start(work, y0[:width], damping)
+    held = np.arange(width)  # the fit each slot holds; -1: none
+    steps = np.zeros(width, dtype=np.int64)  # attempts since the slot's fit started
+    queue = width
+    finished = 0
+    advance = compiled_step()
+    while True:
+        for _ in range(check_every):
+            advance(state, work, rule, budget=budget, xtol_in_x=xtol_in_x)
+        steps += check_every
+        done = np.asarray(state.done.tolist(), dtype=bool)  # the one host read
+        done |= steps >= max_steps
+        leaving = np.flatnonzero(done & (held >= 0))
+        if leaving.size:
+            slots = torch.from_numpy(leaving).to(device)
+            positions = torch.from_numpy(held[leaving]).to(device)
+            write(state.take(slots), work.take(slots), positions)
+            finished += leaving.size
+            held[leaving] = -1
+            if progress is not None:
+                progress(finished, total)
+            count = min(leaving.size, total - queue)
+            if count:
+                new = torch.arange(queue, queue + count, device=device)
+                target = slots[:count]
+                incoming = problem.take(new)
+                work.put(target, incoming)
+                state.put(target, start(incoming, y0[new], damping))
+                held[leaving[:count]] = np.arange(queue, queue + count)
+                steps[leaving[:count]] = 0
+                queue += count
+        if finished == total:
+            return

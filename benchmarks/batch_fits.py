@@ -12,6 +12,7 @@ machine hits all alike; medians are reported, with the ratio to the scipy loop.
     python -m benchmarks.batch_fits                 # 1 and 2 torch threads
     python -m benchmarks.batch_fits --device cuda --fits 1000000 --threads 1
     python -m benchmarks.batch_fits --solve
+    python -m benchmarks.batch_fits --compile        # also compile=True (compiles first)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -105,27 +107,49 @@ def scipy_loop(X: torch.Tensor, y: torch.Tensor, p0: torch.Tensor) -> tuple[floa
     return time.perf_counter() - start, ok
 
 
+LABELS = {
+    "autodiff": "autodiff Jacobian",
+    "analytic": "analytic Jacobian",
+    "compiled": "autodiff, compile=True",
+}
+
+
 def bench_fits(args: argparse.Namespace) -> list[str]:
     """Each round: the batch at every thread count (both Jacobians), then the scipy loop."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     X, y, p0 = problems(args.fits, device, dtype)
     ys, p0s = y[: args.scipy], p0[: args.scipy]
     threads = sorted(set(args.threads))
-    methods = [(name, t) for t in threads for name in ("autodiff", "analytic")]
+    names = ("autodiff", "analytic", *(("compiled",) if args.compile else ()))
+    methods = [(name, t) for t in threads for name in names]
     times: dict[Any, list[float]] = {key: [] for key in methods}
     times["scipy"] = []
     info: dict[Any, Any] = {}
     before = torch.get_num_threads()
     # A first call pays one-off costs (functorch sets up its forward-mode rules).
     so.curve_fit_batch(gauss2d, X, y[:64], p0=p0[:64])
+    compile_seconds = {}
+    if args.compile:
+        # The compiled step is specialised to its slots (4096 on a CPU), model, dtype
+        # and thread count: the first call at each thread count compiles.
+        first = min(args.fits, 4096)
+        for t in threads:
+            torch.set_num_threads(t)
+            compile_seconds[t], _ = timed(
+                lambda: so.curve_fit_batch(gauss2d, X, y[:first], p0=p0[:first], compile=True),
+                device,
+            )
+        torch.set_num_threads(before)
+
+    def fit_all(name: str) -> Any:
+        jac = gauss2d_jac if name == "analytic" else None
+        return so.curve_fit_batch(gauss2d, X, y, p0=p0, jac=jac, compile=name == "compiled")
+
     try:
         for _ in range(args.rounds):
             for name, t in methods:
                 torch.set_num_threads(t)
-                jac = gauss2d_jac if name == "analytic" else None
-                seconds, out = timed(
-                    lambda jac=jac: so.curve_fit_batch(gauss2d, X, y, p0=p0, jac=jac), device
-                )
+                seconds, out = timed(partial(fit_all, name), device)
                 times[name, t].append(seconds / args.fits)
                 info[name, t] = out[2]
             if args.scipy:
@@ -137,7 +161,7 @@ def bench_fits(args: argparse.Namespace) -> list[str]:
     med = {k: statistics.median(v) for k, v in times.items() if v}
     lines = [
         f"- command: `python -m benchmarks.batch_fits {' '.join(args.argv)}`",
-        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: "
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
         f"{platform.processor() or platform.machine()}, {_device_name(device)}; torch "
         f"{torch.__version__}; load average {_load()}",
         f"- {args.fits} fits of a 2D Gaussian (5 parameters, 5x5 pixels), {args.dtype}, "
@@ -151,7 +175,7 @@ def bench_fits(args: argparse.Namespace) -> list[str]:
         res, sec = info[name, t], med[name, t]
         ratio = f"{med['scipy'] / sec:.1f}x" if "scipy" in med else ""
         lines.append(
-            f"| curve_fit_batch, {name} Jacobian | {t} | {1e6 * sec:.2f} | {1 / sec:,.0f} | "
+            f"| curve_fit_batch, {LABELS[name]} | {t} | {1e6 * sec:.2f} | {1 / sec:,.0f} | "
             f"{ratio} | {float(res.success.double().mean()):.4f} | "
             f"{float(res.nfev.double().mean()):.2f} |"
         )
@@ -159,6 +183,10 @@ def bench_fits(args: argparse.Namespace) -> list[str]:
         lines.append(
             f"| scipy curve_fit loop (float64, {args.scipy} fits) | | {1e6 * med['scipy']:.1f} | "
             f"{1 / med['scipy']:,.0f} | 1.0x | {info['scipy_ok'] / args.scipy:.4f} | |"
+        )
+    for t, seconds in compile_seconds.items():
+        lines.append(
+            f"- compile=True, first call at {t} thread(s) (compiles the step): {seconds:.1f} s"
         )
     lines.append(f"- load average after the run: {_load()}")
     return lines
@@ -229,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--solve", action="store_true", help="time the batched solves too")
+    parser.add_argument(
+        "--compile", action="store_true", help="time compile=True too (compiles first)"
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     lines = bench_fits(args)

@@ -4,11 +4,12 @@ The eager driver (:mod:`.driver`) shrinks its working set as fits finish.  A com
 step is specialised to its batch size (forward mode's broadcasting rules read the
 sizes), so here the working set keeps one size: ``width`` slots, each holding one fit.
 Every ``check_every`` attempts the host reads the ``done`` mask (the one read), writes
-the finished fits out and starts the next fits of the queue in their slots
-(:func:`~.engine.start`, eagerly, on those fits only); a slot with no fit left to take
-stays done, and its values are never written again.  The step itself is
-:func:`~.engine.step`, unchanged: every operation is per fit, so a fit's numbers do
-not depend on the slot it runs in or on its neighbours.
+the finished fits out and puts the next fits of the queue in their slots at their
+starts (:func:`~.engine.waiting`); the next compiled step evaluates and linearises
+them there, with the model call and Jacobian it makes for every slot anyway.  A slot
+with no fit left to take stays done, and its values are never written again.  Every
+operation of the step is per fit, so a fit's numbers do not depend on the slot it
+runs in or on its neighbours.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .engine import start
+from .engine import waiting
 from .problem import BatchProblem
 from .rule import BatchTrustRegion
 
@@ -73,7 +74,7 @@ def run_slots(
     first = torch.arange(width, device=device)
     # The slots' own copy of the per-fit data (contiguous, written as fits move in).
     work = problem.take(first)
-    state = start(work, y0[:width], damping)
+    state = waiting(y0[:width], problem.m, damping)
     held = np.arange(width)  # the fit each slot holds; -1: none
     steps = np.zeros(width, dtype=np.int64)  # attempts since the slot's fit started
     queue = width
@@ -98,9 +99,8 @@ def run_slots(
             if count:
                 new = torch.arange(queue, queue + count, device=device)
                 target = slots[:count]
-                incoming = problem.take(new)
-                work.put(target, incoming)
-                state.put(target, start(incoming, y0[new], damping))
+                work.put(target, problem.take(new))
+                state.put(target, waiting(y0[new], problem.m, damping))
                 held[leaving[:count]] = np.arange(queue, queue + count)
                 steps[leaving[:count]] = 0
                 queue += count

@@ -21,7 +21,7 @@ from .problem import BatchProblem, Linearization
 from .rule import BatchTrustRegion, RuleState, StepMeasures
 from .small_linalg import norm2, quadratic, solve_columns
 
-__all__ = ["BatchState", "start", "step"]
+__all__ = ["BatchState", "start", "step", "waiting"]
 
 #: Status of a fit whose residuals, cost or Jacobian stopped being finite.
 NOT_FINITE = -1
@@ -36,7 +36,9 @@ class BatchState:
     ``dcol``); this iteration's ``sqrt_d = D^½``, ``‖D^½x‖`` and ``‖D^-½g‖``; the rule's
     state; scipy's ``status``, ``nfev``, ``nit``; and the iteration's bookkeeping
     (``fresh``: an iteration starts at the next step; ``attempts`` and the evaluations
-    at and left at its start; ``last_try``, the last point evaluated).
+    at and left at its start; ``last_try``, the last point evaluated).  ``new``: fits
+    placed at their start ``y`` and not yet evaluated (see :func:`waiting`); the next
+    step evaluates and linearises them there, as :func:`start` does, and nothing else.
     """
 
     y: Tensor
@@ -60,6 +62,7 @@ class BatchState:
     nfev_start: Tensor
     left_start: Tensor
     last_try: Tensor
+    new: Tensor
 
     def take(self, index: Tensor) -> BatchState:
         """The state of the fits at ``index`` (a 1-D index tensor)."""
@@ -139,10 +142,49 @@ def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
         nfev_start=ints.clone(),
         left_start=ints.clone(),
         last_try=y0.clone(),
+        new=torch.zeros(b, dtype=torch.bool, device=y0.device),
     )
     # No two fields share a tensor: a compiled step is specialised to its inputs'
     # aliasing, and the fields it returns are always distinct.
     return state
+
+
+def waiting(y0: Tensor, m: int, damping: float) -> BatchState:
+    """Fits at their starts ``y0``, to be evaluated by the next :func:`step`.
+
+    What :func:`start` would give, before its evaluation: one evaluation and one
+    Jacobian counted, the rule's initial state, and ``new`` set, so the step that
+    follows evaluates and linearises them at ``y0`` (its own model call and Jacobian,
+    which it makes for every fit anyway) instead of attempting a step.
+    """
+    b, n = y0.shape
+    ints = torch.zeros(b, dtype=torch.int64, device=y0.device)
+    zeros = torch.zeros(b, dtype=y0.dtype, device=y0.device)
+    flags = torch.zeros(b, dtype=torch.bool, device=y0.device)
+    return BatchState(
+        y=y0.clone(),
+        f=y0.new_zeros(b, m),
+        cost2=zeros.clone(),
+        A=y0.new_zeros(n, n, b),
+        g=torch.zeros_like(y0),
+        col=torch.zeros_like(y0),
+        dcol=torch.zeros_like(y0),
+        sqrt_d=torch.ones_like(y0),
+        xs_norm=zeros.clone(),
+        gs_norm=zeros.clone(),
+        rule=RuleState.initial(damping, y0),
+        fresh=~flags,
+        done=flags.clone(),
+        status=ints.clone(),
+        nfev=ints + 1,
+        nit=ints.clone(),
+        njev=ints + 1,
+        attempts=ints.clone(),
+        nfev_start=ints.clone(),
+        left_start=ints.clone(),
+        last_try=y0.clone(),
+        new=~flags,
+    )
 
 
 def step(
@@ -160,7 +202,8 @@ def step(
     own xtol test is then off for them, as in least_squares.
     """
     transform = problem.transform
-    active = ~state.done
+    new = state.new
+    active = ~state.done & ~new
     # -- the start of an iteration: the budget, then gtol, then D and the norms.
     fresh = active & state.fresh
     left = budget - state.nfev
@@ -169,7 +212,7 @@ def step(
     state.status = torch.where(spent, 0, torch.where(gtol, 1, state.status))
     state.done = state.done | spent | gtol
     fresh = fresh & ~spent & ~gtol
-    active = ~state.done
+    active = ~state.done & ~new
     d = rule.diagonal(state.dcol, state.rule, fresh)
     sqrt_d = torch.where(fresh.unsqueeze(-1), d.sqrt(), state.sqrt_d)
     size = transform.start_size(state.y) if transform.bounded else state.y
@@ -199,7 +242,7 @@ def step(
     state.attempts = state.attempts + active.to(state.attempts.dtype)
     go = active & solved
     delta = torch.where(go.unsqueeze(-1), delta, torch.zeros_like(delta))
-    y_try = state.y + delta
+    y_try = torch.where(new.unsqueeze(-1), state.y, state.y + delta)
     f_try = problem.residuals(y_try)
     c_try = problem.objective.cost2(f_try, problem.counts)
     # least_squares evaluates a point once: a trial equal to the last one tried (the
@@ -234,12 +277,13 @@ def step(
     ended = capped | exhausted
     # λ at its maximum with evaluations left: steps are as short as arithmetic allows.
     end_status = torch.where(state.nfev - state.nfev_start < state.left_start, 3, 0)
-    # -- an accepted step moves, and is linearised.
+    # -- an accepted step moves, and is linearised; so is a new fit, at its start.
     y_old = state.y
-    acc = accepted.unsqueeze(-1)
+    moved = accepted | new
+    acc = moved.unsqueeze(-1)
     state.y = torch.where(acc, y_try, state.y)
     state.f = torch.where(acc, f_try, state.f)
-    state.cost2 = torch.where(accepted, c_try, state.cost2)
+    state.cost2 = torch.where(moved, c_try, state.cost2)
     if xtol_off is not None:
         unit = 1.0 if transform.scale is None else transform.scale
         x_new = transform.to_x(state.y) / unit
@@ -248,7 +292,7 @@ def step(
         hit = accepted & xtol_off & ((conv == 0) | (conv == 2)) & near
         conv = torch.where(hit, torch.where(conv == 2, 4, 3), conv)
     lin = problem.linearize(state.y, state.f, state.cost2)
-    _set(state, lin, accepted)
+    _set(state, lin, moved)
     bad = accepted & ~lin.finite
     status_acc = torch.where(bad, NOT_FINITE, conv)
     state.status = torch.where(
@@ -256,8 +300,12 @@ def step(
         conv,
         torch.where(ended, end_status, torch.where(accepted, status_acc, state.status)),
     )
-    state.done = state.done | stop_conv | ended | (accepted & (status_acc != 0))
+    state.status = torch.where(new & ~lin.finite, NOT_FINITE, state.status)
+    state.done = (
+        state.done | stop_conv | ended | (accepted & (status_acc != 0)) | (new & ~lin.finite)
+    )
     counted = (stop_conv | ended | accepted).to(state.nit.dtype)
     state.nit = state.nit + counted
     state.njev = state.njev + accepted.to(state.njev.dtype)
     state.fresh = state.fresh | (accepted & ~state.done)
+    state.new = new & False

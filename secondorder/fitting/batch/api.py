@@ -135,12 +135,12 @@ def curve_fit_batch(
             GiB on a CPU).
         progress: ``True`` for a progress bar (tqdm if installed), or a callable
             ``progress(done, total)`` called as fits finish.
-        compile: run each attempt through ``torch.compile`` (opt-in): the first call
-            for a model and dtype compiles for tens of seconds (torch caches the code
-            on disk), then each attempt is a few fused loops over the fits instead of
-            thousands of tensor operations; worth it for hundreds of thousands of fits
-            (``benchmarks/BATCH_FITS.md``).  Fits run in ``chunk_size`` slots that
-            are refilled as fits finish (default on a CPU: 4096, sized for its caches).
+        compile: run each attempt through ``torch.compile`` (opt-in): each attempt
+            is then a few fused loops over the fits instead of thousands of tensor
+            operations, after a first call that compiles the step for the model and
+            dtype (torch caches it on disk; how long, and the speed-up, are in
+            ``benchmarks/BATCH_FITS.md``): worth it for many fits.  Fits run in
+            ``chunk_size`` slots refilled as fits finish (default on a CPU: 4096).
 
     Returns:
         ``(popt, pcov, info)``: ``popt`` ``(B, n)``, ``pcov`` ``(B, n, n)`` (inf where

@@ -13,6 +13,7 @@ machine hits all alike; medians are reported, with the ratio to the scipy loop.
     python -m benchmarks.batch_fits --device cuda --fits 1000000 --threads 1
     python -m benchmarks.batch_fits --solve
     python -m benchmarks.batch_fits --compile        # also compile=True (compiles first)
+    python -m benchmarks.batch_fits --attempt        # one attempt: operations, CPU time
 """
 
 from __future__ import annotations
@@ -238,6 +239,87 @@ def bench_solve(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def bench_attempt(args: argparse.Namespace) -> list[str]:
+    """Operations dispatched by one attempt, where they come from, and its CPU time."""
+    import collections
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from secondorder.fitting.batch import api, driver, engine
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    X, y, p0 = problems(args.fits, device, dtype)
+    captured: dict[str, Any] = {}
+
+    def capture(problem: Any, y0: Any, rule: Any, opts: Any) -> Any:
+        captured.update(problem=problem, y0=y0, rule=rule, opts=opts)
+        return driver.run(problem, y0, rule, opts)
+
+    original = api.run
+    api.run = capture
+    try:
+        so.curve_fit_batch(gauss2d, X, y, p0=p0)
+    finally:
+        api.run = original
+    problem, rule, opts = captured["problem"], captured["rule"], captured["opts"]
+    problem = problem.take(torch.arange(args.fits, device=device))
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sites: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            frames = [f for f in traceback.extract_stack()[:-1] if "secondorder" in f.filename]
+            site = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].name}" if frames else "?"
+            self.sites[site] += 1
+            return func(*args, **(kwargs or {}))
+
+    def third_attempt(step: Any) -> tuple[Any, float]:
+        state = engine.start(problem, captured["y0"], opts.damping)
+        for _ in range(2):
+            step(state, problem, rule, budget=opts.budget)
+        sync(device)
+        start = time.process_time()
+        step(state, problem, rule, budget=opts.budget)
+        sync(device)
+        return state, time.process_time() - start
+
+    state = engine.start(problem, captured["y0"], opts.damping)
+    for _ in range(2):
+        engine.step(state, problem, rule, budget=opts.budget)
+    counter = Count()
+    with counter:
+        engine.step(state, problem, rule, budget=opts.budget)
+    steps: list[tuple[str, Any]] = [("eager", engine.step)]
+    if args.compile:
+        from secondorder.fitting.batch.compiled import compiled_step
+
+        third_attempt(compiled_step())  # compiles
+        steps.append(("compile=True", compiled_step()))
+    cpu: dict[str, list[float]] = {name: [] for name, _ in steps}
+    for _ in range(5):
+        for name, step in steps:
+            cpu[name].append(third_attempt(step)[1])
+    lines = [
+        f"- one attempt (the third) for {args.fits} fits, {args.dtype}, torch threads "
+        f"{torch.get_num_threads()}, load average {_load()}",
+        f"- operations dispatched (eager): {sum(counter.sites.values())}",
+        "",
+        "| where (eager) | operations |",
+        "|---|---:|",
+        *(f"| {site} | {count} |" for site, count in counter.sites.most_common(12)),
+        "",
+        "| step | CPU ms per attempt (median of 5) |",
+        "|---|---:|",
+        *(f"| {name} | {1e3 * statistics.median(v):.1f} |" for name, v in cpu.items()),
+    ]
+    return lines
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -260,8 +342,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compile", action="store_true", help="time compile=True too (compiles first)"
     )
+    parser.add_argument(
+        "--attempt",
+        action="store_true",
+        help="only count and time one attempt (operations by site, CPU time)",
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    if args.attempt:
+        torch.set_num_threads(min(args.threads))
+        print("\n".join(bench_attempt(args)))
+        return
     lines = bench_fits(args)
     if args.solve:
         before = torch.get_num_threads()

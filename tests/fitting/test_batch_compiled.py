@@ -74,6 +74,15 @@ def test_slots_driver_for_least_squares_batch_with_per_fit_args(monkeypatch):
     assert torch.equal(got.nfev, ref.nfev) and torch.equal(got.status, ref.status)
 
 
+def test_an_empty_batch_with_compile(monkeypatch):
+    monkeypatch.setattr(compiled, "compiled_step", lambda: engine.step)
+    t = torch.linspace(0, 1, 4, dtype=F64)
+    popt, pcov, info = so.curve_fit_batch(
+        decay, t, torch.zeros(0, 4, dtype=F64), p0=[1.0, 1.0, 0.0], compile=True
+    )
+    assert popt.shape == (0, 3) and pcov.shape == (0, 3, 3) and info.message == []
+
+
 def test_compile_must_be_a_bool():
     t, y, p0 = _data(2, seed=3)
     with pytest.raises(TypeError, match="compile must be True or False, got 'yes'"):

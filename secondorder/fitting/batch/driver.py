@@ -132,7 +132,7 @@ def run(problem: BatchProblem, y0: Tensor, rule: BatchTrustRegion, opts: RunOpti
         nit=torch.empty(total, dtype=torch.int64, device=y0.device),
         pcov=y0.new_empty(total, n, n) if opts.covariance else None,
     )
-    if opts.compiled:
+    if opts.compiled and total:
         from .compiled import run_slots
 
         def write(state: Any, sub: BatchProblem, positions: Tensor) -> None:

@@ -102,3 +102,23 @@ def test_the_valid_call_of_these_cases_runs():
     res = so.least_squares_batch(_fun, X0, args=(Y,))
     torch.testing.assert_close(res.x, popt)
     assert bool(info.success.all()) and bool(res.success.all())
+
+
+def test_negative_counts_are_refused_with_the_fit_and_point():
+    counts = torch.full((4, 12), 3.0, dtype=F64)
+    counts[2, 7] = -1.0
+    counts[3, 1] = -5.0
+    with pytest.raises(ValueError, match=r"ydata\[2, 7\]=-1.0 with estimator='mle'"):
+        so.curve_fit_batch(decay, T, counts, p0=[1.0, 1.0], estimator="mle")
+    counts[2, 7], counts[3, 1] = math.nan, 3.0  # NaN is missing data: that fit fails alone
+    _, _, info = so.curve_fit_batch(decay, T, counts, p0=[3.0, 0.0], estimator="mle")
+    assert info.status.tolist()[2] == -1 and bool(info.success[[0, 1, 3]].all())
+
+
+def test_the_deviance_of_a_negative_count_is_not_a_number():
+    from secondorder.fitting.batch.problem import Objective
+
+    mu = torch.full((2, 3), 2.0, dtype=F64)
+    k = torch.tensor([[1.0, 0.0, 2.0], [1.0, -1.0, 2.0]], dtype=F64)
+    cost = Objective("poisson").cost2(mu, k)
+    assert math.isfinite(float(cost[0])) and float(cost[1]) == math.inf

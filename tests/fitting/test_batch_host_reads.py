@@ -104,7 +104,7 @@ def test_one_host_read_per_check_interval(monkeypatch, check_every):
     assert len(checks) == math.ceil(len(steps) / check_every)
 
 
-def test_a_step_reads_nothing():
+def test_a_step_reads_nothing(monkeypatch):
     from secondorder.fitting.batch import api, engine
 
     model, t, y = _problem(8)
@@ -114,12 +114,8 @@ def test_a_step_reads_nothing():
         captured.update(problem=problem, y0=y0, rule=rule, opts=opts)
         return driver.run(problem, y0, rule, opts)
 
-    original = api.run
-    api.run = capture
-    try:
-        so.curve_fit_batch(model, t, y, p0=[0.5, 0.5])
-    finally:
-        api.run = original
+    monkeypatch.setattr(api, "run", capture)
+    so.curve_fit_batch(model, t, y, p0=[0.5, 0.5])
     state = engine.start(captured["problem"], captured["y0"], 1e-3)
     counter = SyncCounter()
     with counter:

@@ -58,23 +58,20 @@ def test_norm2_is_the_euclidean_norm_along_either_axis():
         torch.testing.assert_close(norm2(v, dim), torch.linalg.vector_norm(v, dim=dim))
 
 
-def _captured_problem(f, x, y, p0):
+def _captured_problem(monkeypatch, f, x, y, p0):
     captured = {}
 
     def capture(problem, y0, rule, opts):
         captured.update(problem=problem, y0=y0)
         return driver.run(problem, y0, rule, opts)
 
-    original = api.run
-    api.run = capture
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "run", capture)
         so.curve_fit_batch(f, x, y, p0=p0)
-    finally:
-        api.run = original
     return captured["problem"], captured["y0"]
 
 
-def test_column_jacobian_equals_jacfwd_fit_by_fit():
+def test_column_jacobian_equals_jacfwd_fit_by_fit(monkeypatch):
     """curve_fit_batch's Jacobian (one jvp per parameter column) against torch.func.jacfwd."""
     gen = torch.Generator().manual_seed(4)
     t = torch.linspace(0, 3, 12, dtype=F64)
@@ -84,7 +81,7 @@ def test_column_jacobian_equals_jacfwd_fit_by_fit():
 
     y = torch.randn(9, 12, generator=gen, dtype=F64)
     p = 0.5 + torch.rand(9, 3, generator=gen, dtype=F64)
-    problem, _ = _captured_problem(model, t, y, p)
+    problem, _ = _captured_problem(monkeypatch, model, t, y, p)
     assert problem.columns is not None
     J = problem.jacobian_x(p)  # (n, B, m)
     for b in range(9):
@@ -95,14 +92,14 @@ def test_column_jacobian_equals_jacfwd_fit_by_fit():
     torch.testing.assert_close(generic.jacobian_x(p), J, rtol=1e-12, atol=1e-14)
 
 
-def test_a_parameter_the_model_ignores_has_a_zero_column():
+def test_a_parameter_the_model_ignores_has_a_zero_column(monkeypatch):
     t = torch.linspace(0, 1, 6, dtype=F64)
 
     def model(t, a, unused):
         return a * t
 
     y = torch.randn(4, 6, generator=torch.Generator().manual_seed(5), dtype=F64)
-    problem, _ = _captured_problem(model, t, y, [1.0, 2.0])
+    problem, _ = _captured_problem(monkeypatch, model, t, y, [1.0, 2.0])
     J = problem.jacobian_x(torch.ones(4, 2, dtype=F64))
     torch.testing.assert_close(J[0], t.expand(4, 6))
     assert torch.equal(J[1], torch.zeros(4, 6, dtype=F64))

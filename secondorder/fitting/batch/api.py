@@ -22,7 +22,8 @@ from ..._validation import check_choice, check_integer
 from ..result import MESSAGES
 from . import arguments as check
 from .compiled import CPU_SLOTS
-from .driver import RunOptions, chunk_size, make_progress, run
+from .driver import RunOptions, make_progress, run
+from .driver import chunk_size as fits_per_chunk
 from .problem import BatchProblem, Objective
 from .rule import BatchTrustRegion
 
@@ -174,6 +175,7 @@ def curve_fit_batch(
                 f"loss={loss!r} with estimator='mle': a robust loss applies to least "
                 "squares; pass loss='linear' or estimator='lse'"
             )
+        check.counts(y)
     inv_sigma = check.inverse_sigma(sigma, b, m, dt, dev)
     model = check.column_model(f, n, m)
     rows: list[Tensor] = [y]
@@ -427,7 +429,7 @@ def _solve(
     y0 = transform.to_y(transform.strictly_feasible(p))
     rule = BatchTrustRegion(ftol=tols[0], xtol=tols[1], gtol=tols[2], identity=scale is not None)
     budget = int(max_nfev) if max_nfev is not None else 100 * n
-    size = chunk or chunk_size(b, problem.m, n, p.dtype, p.device, memory_budget)
+    size = chunk or fits_per_chunk(b, problem.m, n, p.dtype, p.device, memory_budget)
     if compile and chunk is None and p.device.type == "cpu":
         size = min(size, CPU_SLOTS)
     opts = RunOptions(

@@ -25,6 +25,7 @@ __all__ = [
     "bounds_pair",
     "check_loss",
     "column_model",
+    "counts",
     "dtype_device",
     "feasible",
     "inverse_sigma",
@@ -220,6 +221,18 @@ def inverse_sigma(
             "NaN sigma fails alone, a zero or negative one is refused"
         )
     return (1.0 / s).reshape(()) if s.numel() == 1 and s.shape != (b, m) else 1.0 / s
+
+
+def counts(y: Tensor) -> None:
+    """Refuse a negative count (Poisson data), naming the first fit and point with one."""
+    negative = y < 0
+    if bool(negative.any()):
+        fit, point = (int(i) for i in torch.nonzero(negative)[0])
+        raise ValueError(
+            f"ydata[{fit}, {point}]={float(y[fit, point])!r} with estimator='mle': Poisson "
+            "counts must be >= 0 (a NaN fails its fit alone); fit data that can go negative, "
+            "such as background-subtracted counts, with estimator='lse'"
+        )
 
 
 def check_loss(loss: Any, f_scale: Any) -> None:

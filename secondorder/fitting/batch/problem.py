@@ -81,10 +81,10 @@ class Objective:
 
 
 def _deviance(mu: Tensor, k: Tensor) -> Tensor:
-    """``2Σ(μ - k - k·ln(μ/k))``; NaN where ``μ < 0``, or ``μ = 0`` with counts."""
+    """``2Σ(μ - k - k·ln(μ/k))``; NaN where ``μ < 0``, ``μ = 0`` with counts, or ``k < 0``."""
     safe_k = torch.where(k > 0, k, torch.ones_like(k))
     term = torch.where(k > 0, mu - k - k * torch.log(mu / safe_k), mu)
-    bad = (mu < 0) | ((mu == 0) & (k > 0))
+    bad = (mu < 0) | ((mu == 0) & (k > 0)) | (k < 0)
     return 2.0 * torch.where(bad, math.nan, term).sum(-1)
 
 

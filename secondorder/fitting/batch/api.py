@@ -103,7 +103,7 @@ def curve_fit_batch(
         xdata: passed to ``f`` as given (a tensor on the fits' device and dtype when it
             is numeric): shared, e.g. ``(m,)`` or scipy's ``(k, m)``; or per fit,
             ``(B, m, ...)``, then ``f`` gets the rows of the fits it evaluates.
-        ydata: ``(B, m)`` data, one row per fit (counts for ``estimator="mle"``).
+        ydata: ``(B, m)`` data, one row per fit (counts ≥ 0 for ``estimator="mle"``).
         p0: ``(B, n)`` or ``(n,)`` (the same start for every fit); default ones, their
             number read from ``f``'s signature (within bounds, scipy's feasible start).
         sigma: a scalar, ``(m,)`` or ``(B, m)`` standard deviations of ``ydata``.

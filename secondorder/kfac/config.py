@@ -11,17 +11,55 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 
-__all__ = ["ASSIGNMENT_STRATEGIES", "COMPUTE_METHODS", "LOSS_REDUCTIONS", "KFACConfig", "Schedule"]
+from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, choice
+
+__all__ = [
+    "ASSIGNMENT_STRATEGIES",
+    "COMPUTE_METHODS",
+    "KAISA_OPTIONS",
+    "LOSS_REDUCTIONS",
+    "KFACConfig",
+    "Schedule",
+]
 
 COMPUTE_METHODS = ("eigen", "inverse")
 ASSIGNMENT_STRATEGIES = ("compute", "memory")
 LOSS_REDUCTIONS = ("mean", "sum")
 #: Named strategies accepted for ``grad_worker_fraction`` (HYBRID-OPT is a number).
 STRATEGY_NAMES = ("comm-opt", "mem-opt")
+#: kfac-pytorch's DistributedStrategy as ``grad_worker_fraction`` (HYBRID_OPT is its 1/2).
+STRATEGY_VALUES: dict[str, float | str] = {
+    "comm_opt": "comm-opt",
+    "mem_opt": "mem-opt",
+    "hybrid_opt": 0.5,
+}
+
+_NOTHING = "it changes nothing here ({why}); drop it, or keep it with secondorder.compat.kfac."
+#: kfac-pytorch's options that :class:`~secondorder.kfac.KFAC` does not take, each with
+#: what to do instead (the message of an unknown keyword quotes it).
+KAISA_OPTIONS = {
+    "allreduce_bucket_cap_mb": _NOTHING.format(why="all factors of a step travel in one call"),
+    "colocate_factors": _NOTHING.format(why="one rank decomposes both factors of a layer"),
+    "compute_eigenvalue_outer_product": _NOTHING.format(
+        why="the damped outer product of the eigenvalues is always kept"
+    ),
+    "update_factors_in_hook": _NOTHING.format(why="the factors are updated in step()"),
+    "loglevel": _NOTHING.format(why="nothing is logged; print(kfac) lists the layers"),
+    "assignment": "pass assignment_strategy='compute' or 'memory' instead of a WorkAssignment.",
+    "tdc": "communication goes through reducer= or process_group=; drop it.",
+    "defaults": "it is bookkeeping of kfac-pytorch's base class; drop it.",
+    "data_parallel_group": "pass process_group= (model parallelism is not supported).",
+    "model_parallel_group": "model parallelism is not supported; use DDP or fully_shard.",
+    "pipeline_parallel_group": "pipeline parallelism is not supported; use DDP or fully_shard.",
+    "factor_checkpoint_dir": "save state_dict() with torch.save or torch.distributed.checkpoint.",
+}
+#: How messages name kfac-pytorch.
+KAISA = "kfac-pytorch (KAISA)"
 
 #: A number, or a function of the step count returning one.
 Schedule = float | int | Callable[[int], Any]
@@ -112,7 +150,8 @@ class KFACConfig:
         kl_clip: bound on ``lr²⟨P, ∇⟩`` (None: no clipping).
         lr: the learning rate the KL clip assumes (0: no clipping).
         accumulation_steps: micro-batches per optimizer step (each loss divided by it).
-        compute_method: ``"eigen"`` or ``"inverse"``.  Inverse is about half the cost
+        compute_method: ``"eigen"`` or ``"inverse"`` (or kfac-pytorch's
+            ``ComputeMethod``, see :mod:`secondorder.kfac.enums`).  Inverse is about half the cost
             per step and a small fraction per decomposition (Cholesky against eigh);
             with ``inv_update_steps`` small it keeps a factor as its Cholesky factor and
             solves instead of forming the inverse (same result up to rounding).
@@ -121,8 +160,10 @@ class KFACConfig:
         inv_dtype: dtype of the eigendecomposition or inverse.
         skip_layers: module names or class names (case-insensitive) left unpreconditioned.
         grad_worker_fraction: share of ranks that precondition each layer: 1 or
-            ``"comm-opt"``, ``1/world`` or ``"mem-opt"``, anything between is HYBRID-OPT.
-        assignment_strategy: ``"compute"`` (balance n³) or ``"memory"`` (balance n²).
+            ``"comm-opt"``, ``1/world`` or ``"mem-opt"``, anything between is HYBRID-OPT
+            (``"hybrid-opt"`` is 1/2); a ``DistributedStrategy`` is read the same way.
+        assignment_strategy: ``"compute"`` (balance n³) or ``"memory"`` (balance n²),
+            or an ``AssignmentStrategy``.
         symmetry_aware: all-reduce only the upper triangles of A and G.
         loss_reduction: ``"mean"`` (loss averaged over the local micro-batch) or
             ``"sum"``; decides how per-sample gradients are recovered.
@@ -150,16 +191,22 @@ class KFACConfig:
             if not callable(value):
                 check(value)
         check_steps("accumulation_steps", self.accumulation_steps)
-        if self.compute_method not in COMPUTE_METHODS:
-            raise ValueError(
-                f"Unknown compute_method={self.compute_method!r}; valid choices are "
-                f"{COMPUTE_METHODS}."
-            )
-        if self.assignment_strategy not in ASSIGNMENT_STRATEGIES:
-            raise ValueError(
-                f"Unknown assignment_strategy={self.assignment_strategy!r}; valid choices are "
-                f"{ASSIGNMENT_STRATEGIES}."
-            )
+        # kfac-pytorch's enums and spellings, stored as the lower-case names
+        set_ = object.__setattr__
+        set_(self, "compute_method", choice("compute_method", ComputeMethod, self.compute_method))
+        set_(
+            self,
+            "assignment_strategy",
+            choice("assignment_strategy", AssignmentStrategy, self.assignment_strategy),
+        )
+        if isinstance(self.grad_worker_fraction, (str, Enum)):
+            try:
+                name = choice(
+                    "grad_worker_fraction", DistributedStrategy, self.grad_worker_fraction
+                )
+            except ValueError as exc:
+                raise ValueError(f"{exc} A number in (0, 1] is a HYBRID-OPT fraction.") from None
+            set_(self, "grad_worker_fraction", STRATEGY_VALUES[name])
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(
                 f"Unknown loss_reduction={self.loss_reduction!r}; valid choices are "
@@ -182,11 +229,7 @@ class KFACConfig:
             )
         f = self.grad_worker_fraction
         if isinstance(f, str):
-            if f not in STRATEGY_NAMES:
-                raise ValueError(
-                    f"Unknown grad_worker_fraction={f!r}; valid names are {STRATEGY_NAMES} "
-                    "(or a number in (0, 1] for HYBRID-OPT)."
-                )
+            assert f in STRATEGY_NAMES
         elif isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
             raise ValueError(
                 f"Invalid grad_worker_fraction={f!r}: must be a number in (0, 1] "

@@ -9,8 +9,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._keywords import check_keywords
+from .config import KAISA, KAISA_OPTIONS
 from .damping import LMDampingRule
-from .preconditioner import KFAC
+from .preconditioner import KEYWORDS, KFAC
+
+#: KFACOptimizer's own keywords, besides those of KFAC it passes on.
+OWN = (
+    "lr",
+    "momentum",
+    "weight_decay",
+    "nesterov",
+    "dampening",
+    "adaptive_damping",
+    "damping_adaptation_interval",
+    "damping_adaptation_decay",
+    "min_damping",
+    "max_damping",
+)
 
 __all__ = ["KFACOptimizer"]
 
@@ -56,6 +72,8 @@ class KFACOptimizer(torch.optim.SGD):
         max_damping: float = 1e8,
         **kfac_kwargs: Any,
     ) -> None:
+        valid = [*OWN, *(k for k in KEYWORDS if k != "lr")]
+        check_keywords("KFACOptimizer", kfac_kwargs, valid, KAISA_OPTIONS, KAISA)
         self.rule = (
             LMDampingRule(
                 damping_adaptation_interval, damping_adaptation_decay, min_damping, max_damping

@@ -6,6 +6,7 @@ every preconditioned layer), then ``optimizer.step()``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -14,18 +15,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._keywords import check_keywords
 from ..distributed import CollectiveError, Reducer, resolve_reducer
 from .agreement import agree, shared_settings
 from .assignment import WorkAssignment, assign_work, factor_cost
 from .checkpoint import check_counters, check_layers_state, layers_state, load_layers
-from .config import KFACConfig
+from .config import KAISA, KAISA_OPTIONS, KFACConfig
 from .discovery import SUPPORTED_MODULES, check_model_and_scaler, discover_layers
 from .hooks import StatsCapture, check_calls
 from .layers import KFACLayer
 from .packing import all_finite, pack_upper, unpack_upper
 from .transaction import Snapshot, StepPlan, blank_settings, warn_about_statistics
 
-__all__ = ["KFAC", "SUPPORTED_MODULES"]
+__all__ = ["KEYWORDS", "KFAC", "SUPPORTED_MODULES"]
 
 
 class KFAC:
@@ -102,7 +104,9 @@ class KFAC:
         grad_scaler: Any = None,
         reducer: Reducer | None = None,
         process_group: Any = None,
+        **unknown: Any,
     ) -> None:
+        check_keywords("so.KFAC", unknown, KEYWORDS, KAISA_OPTIONS, KAISA)
         if isinstance(skip_layers, str):
             skip_layers = (skip_layers,)
         self.config = KFACConfig(
@@ -506,3 +510,11 @@ class KFAC:
             for layer in self.layers.values():
                 if layer.A is not None:
                     layer.decompose(method, damping, self.config.inv_dtype, uses)
+
+
+#: The keywords :class:`KFAC` takes (an unknown one is named with a suggestion).
+KEYWORDS = tuple(
+    p.name
+    for p in inspect.signature(KFAC.__init__).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)

@@ -97,7 +97,7 @@ def test_comm_opt_spellings(value):
         (
             {"compute_method": "cholesky"},
             ValueError,
-            r"Invalid compute_method='cholesky': must be one of ComputeMethod\.EIGEN",
+            r"Invalid compute_method='cholesky': must be one of 'eigen', 'inverse'",
         ),
         ({"factor_decay": 1.0}, ValueError, r"Invalid factor_decay=1\.0: .* never updates"),
         ({"damping": 0.0}, ValueError, r"Invalid damping=0\.0: must be > 0"),

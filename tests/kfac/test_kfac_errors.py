@@ -21,7 +21,8 @@ BAD = [
     (
         dict(compute_method="cholesky"),
         ValueError,
-        r"Unknown compute_method='cholesky'; valid choices are \('eigen', 'inverse'\)",
+        r"^Invalid compute_method='cholesky': must be one of 'eigen', 'inverse' \(any case, "
+        r"'-' or '_'\) or a member of ComputeMethod such as ComputeMethod\.EIGEN\.$",
     ),
     (dict(damping=-1e-3), ValueError, r"Invalid damping=-0.001: must be a finite number > 0"),
     (dict(damping=float("nan")), ValueError, r"Invalid damping=nan: must be finite"),
@@ -37,14 +38,23 @@ BAD = [
     ),
     (dict(inv_update_steps=1.5), ValueError, r"Invalid inv_update_steps=1.5"),
     (dict(accumulation_steps=0), ValueError, r"Invalid accumulation_steps=0"),
-    (dict(assignment_strategy="fast"), ValueError, r"Unknown assignment_strategy='fast'"),
+    (
+        dict(assignment_strategy="fast"),
+        ValueError,
+        r"Invalid assignment_strategy='fast': must be one of 'compute', 'memory'",
+    ),
     (dict(loss_reduction="none"), ValueError, r"Unknown loss_reduction='none'"),
     (dict(inv_dtype=torch.int32), ValueError, r"Invalid inv_dtype=torch.int32: must be a floating"),
     (dict(factor_dtype="float"), ValueError, r"Invalid factor_dtype='float': must be None or a"),
     (dict(skip_layers=[1]), TypeError, r"Invalid skip_layers=\(1,\): must be a list of module"),
     (dict(grad_worker_fraction=0.0), ValueError, r"Invalid grad_worker_fraction=0.0: must be a"),
     (dict(grad_worker_fraction=1.5), ValueError, r"Invalid grad_worker_fraction=1.5"),
-    (dict(grad_worker_fraction="best"), ValueError, r"Unknown grad_worker_fraction='best'"),
+    (
+        dict(grad_worker_fraction="best"),
+        ValueError,
+        r"^Invalid grad_worker_fraction='best': must be one of 'comm_opt', 'mem_opt', "
+        r"'hybrid_opt' .* A number in \(0, 1\] is a HYBRID-OPT fraction\.$",
+    ),
     (dict(symmetry_aware=1), TypeError, r"Invalid symmetry_aware=1: must be a bool"),
     (
         dict(modules=["1"]),

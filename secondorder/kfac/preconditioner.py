@@ -25,6 +25,7 @@ from .discovery import SUPPORTED_MODULES, check_model_and_scaler, discover_layer
 from .hooks import StatsCapture, check_calls
 from .layers import KFACLayer
 from .packing import all_finite, pack_upper, unpack_upper
+from .sharding import gather_grads, refuse_flat_parameters
 from .transaction import Snapshot, StepPlan, blank_settings, warn_about_statistics
 
 __all__ = ["KEYWORDS", "KFAC", "SUPPORTED_MODULES"]
@@ -127,6 +128,7 @@ class KFAC:
             loss_reduction=loss_reduction,
         )
         check_model_and_scaler(model, grad_scaler)
+        refuse_flat_parameters(model)
         self.grad_scaler = grad_scaler
         layers, skipped = discover_layers(
             model, modules, self.config.skip_layers, self.config.factor_dtype
@@ -190,12 +192,12 @@ class KFAC:
             return self.damping_override
         return float(self.config.at("damping", self.steps))
 
-    def _check_hooks(self, capture: bool) -> dict[str, Tensor]:
-        grads: dict[str, Tensor] = {}
+    def _check_hooks(self, capture: bool) -> list[str]:
+        """The layers with a gradient this step (each checked; no communication)."""
+        present: list[str] = []
         for name, layer in self.layers.items():
-            g = layer.grad()
             frozen = not layer.module.weight.requires_grad
-            if g is None or frozen:
+            if not layer.has_grad() or frozen:
                 if name not in self._warned:
                     self._warned.add(name)
                     warnings.warn(
@@ -208,6 +210,21 @@ class KFAC:
                 continue
             if capture:
                 check_calls(name, layer)
+            present.append(name)
+        return present
+
+    def _gradients(self, present: list[str]) -> dict[str, Tensor]:
+        """The ``(groups, o, i)`` gradients of ``present``, sharded ones gathered first.
+
+        Every rank gathers the same parameters in the same order (the ranks agreed on
+        ``present``) before building any matrix, so an error in building one cannot
+        leave the ranks in different collectives.
+        """
+        whole = gather_grads(p for name in present for p in self.layers[name].params())
+        grads: dict[str, Tensor] = {}
+        for name in present:
+            g = self.layers[name].grad(whole)
+            assert g is not None
             grads[name] = g
         return grads
 
@@ -241,6 +258,12 @@ class KFAC:
         inv: dict[str, dict[str, Tensor]] = {}
         pre: dict[str, Tensor] = {}
         bad: list[str] = []
+        try:
+            plan.grads = self._gradients(plan.present)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            error = exc
         try:
             if plan.stats is not None:
                 factors, bad = self._update_factors(plan.stats, plan.decay)
@@ -290,7 +313,7 @@ class KFAC:
             kl_clip=cfg.at("kl_clip", step),
             lr=cfg.at("lr", step),
             invert=step % i_steps == 0,
-            grads=self._check_hooks(capture),
+            present=self._check_hooks(capture),
             layers=list(self.layers),
         )
         if capture:

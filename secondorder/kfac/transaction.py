@@ -10,7 +10,7 @@ tensors it overwrites.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +60,11 @@ class StepPlan:
     kl_clip: float | None
     lr: float
     invert: bool
-    grads: dict[str, Tensor]
+    #: the layers with a gradient (agreed by the ranks before it is gathered).
+    present: list[str]
     layers: list[str]
+    #: their ``(groups, o, i)`` gradients, set once the ranks agreed on ``present``.
+    grads: dict[str, Tensor] = field(default_factory=dict)
     #: the statistics to all-reduce (and their counts), when the factors are due.
     stats: list[Tensor] | None = None
     #: layers whose statistics an interrupted backward left out.
@@ -81,7 +84,7 @@ class StepPlan:
         )
         out = {name: float(v) for name, v in zip(SETTING_NAMES, values, strict=True)}
         # ranks must precondition the same layers, or their broadcasts would not pair up
-        out.update(_gradient_masks(self.layers, self.grads))
+        out.update(_gradient_masks(self.layers, self.present))
         return out
 
 
@@ -89,7 +92,7 @@ class StepPlan:
 MASK_BITS = 52
 
 
-def _gradient_masks(layers: list[str], grads: Mapping[str, Any]) -> dict[str, float]:
+def _gradient_masks(layers: list[str], grads: Collection[str]) -> dict[str, float]:
     out = {}
     for start in range(0, len(layers), MASK_BITS):
         chunk = layers[start : start + MASK_BITS]
@@ -100,7 +103,7 @@ def _gradient_masks(layers: list[str], grads: Mapping[str, Any]) -> dict[str, fl
 
 def blank_settings(layers: Mapping[str, Any]) -> dict[str, float]:
     """The settings' names with zeros, for a rank whose checks failed."""
-    names = [*SETTING_NAMES, *_gradient_masks(list(layers), {})]
+    names = [*SETTING_NAMES, *_gradient_masks(list(layers), ())]
     return dict.fromkeys(names, 0.0)
 
 

@@ -22,11 +22,13 @@ Grouped convolutions and Linear layers share one layout: factors are stacks
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..sharding import grad_of
 from .linalg import default_factor_dtype, spd_cholesky, spd_inverse, sym_eigh
 
 __all__ = ["KFACLayer", "KroneckerLayer"]
@@ -165,9 +167,20 @@ class KFACLayer:
         """``Σ g gᵀ`` of one (per-sample scaled) output gradient."""
         raise NotImplementedError
 
-    def grad(self) -> Tensor | None:
-        """The parameter gradients as a ``(groups, o, i)`` matrix; None if there is none."""
+    def grad(self, whole: Mapping[Tensor, Tensor] | None = None) -> Tensor | None:
+        """The parameter gradients as a ``(groups, o, i)`` matrix; None if there is none.
+
+        ``whole``: the gathered gradients of sharded parameters (:mod:`..sharding`).
+        """
         raise NotImplementedError
+
+    def has_grad(self) -> bool:
+        """Whether the weight has a gradient (no communication, unlike :meth:`grad`)."""
+        return self.module.weight.grad is not None
+
+    def param_grad(self, p: Tensor | None, whole: Mapping[Tensor, Tensor] | None) -> Tensor | None:
+        """``p.grad`` whole (gathered if sharded); None without a parameter or gradient."""
+        return None if p is None else grad_of(p, whole or {})
 
     def set_grad(self, p: Tensor) -> None:
         """Write a ``(groups, o, i)`` matrix back into the parameters' ``.grad``."""

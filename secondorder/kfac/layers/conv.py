@@ -13,12 +13,14 @@ G are stacks of ``groups`` matrices.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..._conv import padded, windows
+from ..sharding import write_grad
 from .base import KroneckerLayer
 
 __all__ = ["ConvLayer", "conv_patch_rows", "conv_patches"]
@@ -100,15 +102,15 @@ class ConvLayer(KroneckerLayer):
         # (groups, N·positions, o/groups), rows in the order of conv_patch_rows
         return g.reshape(n, k, o // k, -1).permute(1, 0, 3, 2).reshape(k, -1, o // k)
 
-    def grad(self) -> Tensor | None:  # noqa: D102
-        w = self.conv.weight.grad
+    def grad(self, whole: Mapping[Tensor, Tensor] | None = None) -> Tensor | None:  # noqa: D102
+        w = self.param_grad(self.conv.weight, whole)
         if w is None:
             return None
         k = self.groups
         m = w.reshape(k, self.n_out, -1)
         if self.has_bias:
             assert self.conv.bias is not None
-            b = self.conv.bias.grad
+            b = self.param_grad(self.conv.bias, whole)
             b = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
             m = torch.cat([m, b.reshape(k, self.n_out, 1)], dim=2)
         return m
@@ -117,9 +119,7 @@ class ConvLayer(KroneckerLayer):
         weight = self.conv.weight
         assert weight.grad is not None
         n_w = self.n_in - int(self.has_bias)
-        weight.grad.copy_(p[:, :, :n_w].reshape(weight.shape))
+        write_grad(weight, p[:, :, :n_w].reshape(weight.shape))
         bias = self.conv.bias
         if self.has_bias and bias is not None and bias.requires_grad:
-            if bias.grad is None:
-                bias.grad = torch.empty_like(bias)
-            bias.grad.copy_(p[:, :, -1].reshape(-1))
+            write_grad(bias, p[:, :, -1].reshape(-1))

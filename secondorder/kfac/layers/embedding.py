@@ -9,9 +9,12 @@ its square).  In the ``(o, i)`` layout the gradient is ``weight.grad.T``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
+from ..sharding import write_grad
 from .base import KFACLayer
 from .linalg import spd_inverse, sym_eigh
 
@@ -67,14 +70,14 @@ class EmbeddingLayer(KFACLayer):
         g = g.reshape(-1, g.shape[-1])
         return (g.T @ g).unsqueeze(0)
 
-    def grad(self) -> Tensor | None:  # noqa: D102
-        w = self.embedding.weight.grad
+    def grad(self, whole: Mapping[Tensor, Tensor] | None = None) -> Tensor | None:  # noqa: D102
+        w = self.param_grad(self.embedding.weight, whole)
         return None if w is None else w.T.unsqueeze(0)
 
     def set_grad(self, p: Tensor) -> None:  # noqa: D102
         weight = self.embedding.weight
         assert weight.grad is not None
-        weight.grad.copy_(p[0].T)
+        write_grad(weight, p[0].T)
 
     def inverse_shapes(self, method: str, uses: int = 1) -> dict[str, tuple[int, ...]]:  # noqa: D102
         if method == "eigen":

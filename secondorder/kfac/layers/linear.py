@@ -9,9 +9,12 @@ trainable parameters.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
+from ..sharding import write_grad
 from .base import KroneckerLayer
 
 __all__ = ["LinearLayer"]
@@ -41,12 +44,12 @@ class LinearLayer(KroneckerLayer):
     def g_rows_of(self, g: Tensor) -> Tensor:  # noqa: D102
         return g.reshape(1, -1, g.shape[-1])
 
-    def grad(self) -> Tensor | None:  # noqa: D102
-        w = self.linear.weight.grad
+    def grad(self, whole: Mapping[Tensor, Tensor] | None = None) -> Tensor | None:  # noqa: D102
+        w = self.param_grad(self.linear.weight, whole)
         if w is None:
             return None
         if self.has_bias:
-            b = self.linear.bias.grad if self.linear.bias is not None else None
+            b = self.param_grad(self.linear.bias, whole)
             b = torch.zeros_like(w[:, 0]) if b is None else b
             w = torch.cat([w, b.unsqueeze(1)], dim=1)
         return w.unsqueeze(0)
@@ -55,9 +58,7 @@ class LinearLayer(KroneckerLayer):
         p = p[0]
         weight = self.linear.weight
         assert weight.grad is not None
-        weight.grad.copy_(p[:, : weight.shape[1]])
+        write_grad(weight, p[:, : weight.shape[1]])
         bias = self.linear.bias
         if self.has_bias and bias is not None and bias.requires_grad:
-            if bias.grad is None:
-                bias.grad = torch.empty_like(bias)
-            bias.grad.copy_(p[:, -1])
+            write_grad(bias, p[:, -1])

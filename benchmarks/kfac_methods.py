@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from secondorder.kfac import KFACOptimizer
 
+from . import kfac_peer
 from .core import (
     Column,
     Family,
@@ -142,6 +143,8 @@ def make_problem(key: str, mode: str = "full") -> Problem:
                 "sgd_lrs": (0.1,) if tiny or quick else (0.03, 0.1, 0.3),
                 "adamw_lrs": (3e-3,) if tiny else (3e-3, 1e-2) if quick else (1e-3, 3e-3, 1e-2),
                 "every1_steps": 6 if tiny else 60,
+                # the side-by-side with kfac-pytorch (benchmarks.kfac_peer), if installed
+                "kaisa_side_by_side": None if tiny else mode,
             },
         )
     if key == "kfac_digits_mlp":
@@ -599,6 +602,6 @@ def family() -> Family:
         problems={k: functools.partial(make_problem, k) for k in PROBLEMS},
         methods=_method_makers(),
         columns=(Column("K-FAC " + " / ".join(PHASES) + " (mean)", phase_cell),),
-        sections=(section,),
+        sections=(section, kfac_peer.section()),
         versions=versions,
     )

@@ -114,7 +114,10 @@ class StatsCapture:
             # gradient with respect to the value before the in-place op).
             output.register_hook(lambda go: self._backward(layer, x, go, call, generation))
 
-        return hook
+        # Under torch.compile the hook runs eagerly, between the compiled pieces: it
+        # keeps real tensors and registers a real gradient hook (traced, it would see
+        # fake tensors and its bookkeeping would not happen).
+        return torch.compiler.disable(hook)
 
     def _backward(
         self, layer: KFACLayer, x: Tensor, grad_output: Tensor, call: int, generation: int

@@ -1,5 +1,8 @@
 """K-FAC on a model sharded by FSDP2 (``fully_shard``) equals one process on the whole batch.
 
+Also HSDP (a 2 × 2 mesh), gradient accumulation, per-layer sharding and a compiled
+model; the older FullyShardedDataParallel wrapper is refused.
+
 Each of 2 and 4 gloo ranks trains its share of the batch on a model whose parameters
 (and gradients) are DTensors; K-FAC gathers the gradients, preconditions whole
 matrices and writes back each rank's rows.  After a few steps the gathered parameters
@@ -60,23 +63,35 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mem-opt": {"grad_worker_fraction": "mem-opt"},
     "accumulate": {"accumulation_steps": 2},
     "layers": {"shard_layers": True},
+    # HSDP: 2 replicas of 2 shards (4 ranks only); placements (Replicate, Shard(0))
+    "hsdp": {"mesh": (2, 2)},
+    # a compiled model (its K-FAC hooks run eagerly between the compiled pieces)
+    "compiled": {"compile": True},
 }
+#: Scenarios that need a particular number of ranks; compiling is slow (see below).
+ONLY_ON = {"hsdp": 4, "compiled": 2}
 
 
 def train(name: str, rank: int, world: int) -> torch.Tensor:
     """``STEPS`` steps of K-FAC + SGD; the whole parameters, flattened."""
     kw = dict(SCENARIOS[name])
     per_layer = kw.pop("shard_layers", False)
+    shape = kw.pop("mesh", None)
+    compiled = kw.pop("compile", False)
     micro = kw.get("accumulation_steps", 1)
     model = Net().to(DT)
     if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        names = ("replicate", "shard")
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names) if shape else None
         if per_layer:
             for child in (model.conv, model.fc1, model.fc2):
-                fully_shard(child)
-        fully_shard(model)
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     k = KFAC(model, **{**SETTINGS, **kw})
+    net = torch.compile(model) if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     b = N // world
     for step in range(STEPS):
@@ -84,7 +99,7 @@ def train(name: str, rank: int, world: int) -> torch.Tensor:
         for m in range(micro):
             x, y = data(step, m)
             x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
-            loss = 0.5 * ((model(x) - y) ** 2).sum(1).mean() / micro
+            loss = 0.5 * ((net(x) - y) ** 2).sum(1).mean() / micro
             loss.backward()
         k.step()
         opt.step()
@@ -96,8 +111,13 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else p).detach().clone()
 
 
-def job(rank: int, world: int) -> dict[str, torch.Tensor]:
-    return {name: train(name, rank, world) for name in SCENARIOS}
+def scenarios(world: int, compiled: bool = False) -> list[str]:
+    names = [n for n in SCENARIOS if ONLY_ON.get(n, world) == world]
+    return [n for n in names if (n == "compiled") == compiled]
+
+
+def job(rank: int, world: int, compiled: bool = False) -> dict[str, torch.Tensor]:
+    return {name: train(name, rank, world) for name in scenarios(world, compiled)}
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -107,14 +127,54 @@ def launched(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     return world, {r: res.unwrap() for r, res in results.items()}
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_fully_shard_equals_one_process(launched: tuple[int, dict[int, Any]], name: str) -> None:
-    world, results = launched
+COMPILE_WARNINGS = (
+    # torch.compile's first use imports modules that torch 2.13 deprecates, and Dynamo,
+    # tracing around the hooks, reads a non-leaf's .grad (its own warning)
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
+    "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning",
+)
+
+
+def check(world: int, results: dict[int, Any], name: str) -> None:
     ref = train(name, 0, 1)
     got = results[0][name]
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
     for r in range(1, world):
         assert torch.equal(results[r][name], got), f"rank {r}"
+
+
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "compiled"])
+def test_fully_shard_equals_one_process(launched: tuple[int, dict[int, Any]], name: str) -> None:
+    world, results = launched
+    if name not in results[0]:
+        pytest.skip(f"{name} runs on {ONLY_ON[name]} ranks")
+    check(world, results, name)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(COMPILE_WARNINGS[0])
+@pytest.mark.filterwarnings(COMPILE_WARNINGS[1])
+def test_a_compiled_sharded_model_equals_one_process() -> None:
+    # torch.compile of the model on each rank takes a minute or two on a loaded CPU
+    results = run_ranks(job, 2, args=(True,), deadline_s=600, timeout_s=300)
+    check(2, {r: res.unwrap() for r, res in results.items()}, "compiled")
+
+
+@pytest.mark.filterwarnings(COMPILE_WARNINGS[0])
+@pytest.mark.filterwarnings(COMPILE_WARNINGS[1])
+def test_a_compiled_model_equals_the_model() -> None:
+    model = Net().to(DT)
+    k = KFAC(model, **SETTINGS)
+    net = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = data(step)
+        opt.zero_grad()
+        (0.5 * ((net(x) - y) ** 2).sum(1).mean()).backward()
+        k.step()
+        opt.step()
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(got, train("eigen", 0, 1), rtol=1e-10, atol=1e-12)
 
 
 def test_the_comparison_sees_a_preconditioner_left_out() -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..distributed import Reducer
+from ..distributed import RankFailedError, Reducer
 
 if TYPE_CHECKING:
     from .config import KFACConfig
@@ -27,21 +27,26 @@ if TYPE_CHECKING:
 __all__ = ["OtherRankError", "agree", "shared_settings"]
 
 
-class OtherRankError(RuntimeError):
-    """Another rank's part of the step raised; this rank refused the step with it."""
+class OtherRankError(RankFailedError):
+    """Another rank's part of a K-FAC step or load raised; this rank refused it too.
+
+    A :class:`~secondorder.distributed.RankFailedError`, like the error LM and Shampoo
+    raise on the ranks that did not fail, so one ``except`` serves every family.
+    """
 
 
 def agree(
     reducer: Reducer,
-    error: Exception | None,
+    error: BaseException | None,
     settings: Mapping[str, float],
     device: torch.device,
     what: str,
 ) -> None:
     """Raise on every rank if any rank's ``error`` is set or the ``settings`` differ.
 
-    A rank that failed re-raises its own error; the others raise
-    :class:`OtherRankError` naming the ranks that failed.  Settings are compared
+    A rank that failed re-raises its own error (a ``KeyboardInterrupt`` too: its
+    callers catch ``BaseException`` so that the others learn of it rather than wait);
+    the others raise :class:`OtherRankError` naming the ranks that failed.  Settings are compared
     exactly (each rank's row is summed with zeros only); their names and number must
     be the same on every rank.  On one process this re-raises ``error`` and returns.
     """
@@ -63,8 +68,8 @@ def agree(
             raise error
         raise OtherRankError(
             f"{what} failed on rank(s) {failed} of {world} (see the error there); every "
-            "rank refused the step, so the factors, decompositions, gradients and step "
-            "count are as before it on every rank."
+            "rank refused it, so the factors, decompositions, gradients and step count "
+            "are as before it on every rank."
         )
     differ = []
     for j, name in enumerate(names, start=1):

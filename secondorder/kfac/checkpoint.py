@@ -3,7 +3,9 @@
 Every check runs before anything is set, so a refused state leaves K-FAC unchanged.
 Beyond keys, types and shapes, the values are checked where the next steps rely on
 them: factors and decompositions finite, the factors' diagonals and the eigenvalues
-``>= 0`` (A and G are covariances), the inverses' and Cholesky factors' diagonals
+``>= 0``, each factor symmetric with ``F_ij² <= F_ii·F_jj`` (A and G are covariances:
+an indefinite factor would otherwise be "repaired" silently by the decompositions'
+safeguards), the inverses' and Cholesky factors' diagonals
 ``> 0`` (they come from ``A + λI``, positive definite), and a decomposition present
 where this rank preconditions the layer before it next recomputes it.  Tensors saved
 on another device are moved to the layer's, as ``torch.optim`` does; a tensor on the
@@ -23,11 +25,12 @@ from .layers import KFACLayer
 
 __all__ = [
     "check_counters",
+    "check_covariance",
     "check_layers_state",
     "check_tensor",
     "check_values",
     "layers_state",
-    "load_layers",
+    "loaded_layers",
 ]
 
 
@@ -105,6 +108,7 @@ def _check_entry(where: str, entry: Any, layer: KFACLayer, method: str, needed: 
         if key in entry:
             check_tensor(where, f"factor {key}", entry[key], shape)
             check_values(where, f"factor {key}", entry[key], positive=False)
+            check_covariance(where, f"factor {key}", entry[key])
     inv = entry.get("inv", {})
     if not isinstance(inv, dict):
         raise TypeError(f"{where} 'inv' must be a dict, got {type(inv).__name__}")
@@ -135,23 +139,25 @@ def _check_entry(where: str, entry: Any, layer: KFACLayer, method: str, needed: 
             check_values(where, f"decomposition {key}", inv[key], positive=key[0] != "d")
 
 
-def load_layers(
+def loaded_layers(
     entries: Mapping[str, Any], layers: Mapping[str, KFACLayer], inv_dtype: torch.dtype
-) -> None:
-    """Set every layer's factors and decompositions from checked ``entries``.
+) -> dict[str, tuple[Tensor | None, Tensor | None, dict[str, Tensor]]]:
+    """Each layer's ``(A, G, inv)`` from checked ``entries``, in new tensors.
 
-    New tensors on each layer's device: factors in its ``factor_dtype``, decompositions
-    in ``inv_dtype``.
+    On each layer's device: factors in its ``factor_dtype`` (None when the entry has
+    none), decompositions in ``inv_dtype``.  Nothing is assigned.
     """
+    out: dict[str, tuple[Tensor | None, Tensor | None, dict[str, Tensor]]] = {}
     for name, entry in entries.items():
         layer = layers[name]
         dev = layer.device
+        a = g = None
         if "A" in entry:
-            layer.A = entry["A"].to(dev, layer.factor_dtype, copy=True)
-            layer.G = entry["G"].to(dev, layer.factor_dtype, copy=True)
-        else:
-            layer.A = layer.G = None
-        layer.inv = {k: v.to(dev, inv_dtype, copy=True) for k, v in entry.get("inv", {}).items()}
+            a = entry["A"].to(dev, layer.factor_dtype, copy=True)
+            g = entry["G"].to(dev, layer.factor_dtype, copy=True)
+        inv = {k: v.to(dev, inv_dtype, copy=True) for k, v in entry.get("inv", {}).items()}
+        out[name] = (a, g, inv)
+    return out
 
 
 def check_tensor(where: str, what: str, t: Any, shape: tuple[int, ...]) -> None:
@@ -194,3 +200,42 @@ def check_values(where: str, what: str, t: Tensor, positive: bool | None) -> Non
             "the checkpoint is damaged. Load one saved before the fault, or start this "
             "K-FAC afresh."
         )
+
+
+#: Rows of a factor checked at once (bounds the float64 temporaries of a large factor).
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def check_covariance(where: str, what: str, t: Tensor) -> None:
+    """Raise unless each matrix of ``t`` (a finite ``(groups, n, n)`` stack) could be one.
+
+    Two necessary conditions of a positive semidefinite matrix, O(n²) each, in float64
+    with the rounding of ``t``'s dtype allowed for (``u = n·eps``): symmetry,
+    ``|F_ij − F_ji| <= u·√(F_ii·F_jj)``, and ``F_ij² <= F_ii·F_jj·(1 + u)``.  A
+    ``(1, n)`` vector of diagonal values (an Embedding's A) has nothing to check.
+    """
+    if t.ndim != 3:
+        return
+    n = t.shape[-1]
+    u = n * torch.finfo(t.dtype).eps
+    rows = max(1, _CHUNK_ELEMENTS // max(n, 1))
+    for grp in range(t.shape[0]):
+        f = t[grp]
+        d = f.diagonal().to(torch.float64).clamp_min(0.0)
+        for start in range(0, n, rows):
+            block = f[start : start + rows].to(torch.float64)
+            bound = d[start : start + rows, None] * d[None, :]
+            mirror = f[:, start : start + rows].T.to(torch.float64)
+            asym = (block - mirror).abs() > u * bound.sqrt()
+            big = block.square() > bound * (1 + u)
+            for bad, why in ((asym, "is not symmetric"), (big, "is not a covariance")):
+                if bool(bad.any()):
+                    i, j = (int(x) for x in bad.nonzero()[0])
+                    i += start
+                    raise ValueError(
+                        f"{where} {what} {why}: F[{i}, {j}] = {float(f[i, j])!r}, F[{j}, "
+                        f"{i}] = {float(f[j, i])!r}, F[{i}, {i}] = {float(f[i, i])!r}, F[{j}, "
+                        f"{j}] = {float(f[j, j])!r} (group {grp}), but a factor is symmetric "
+                        "with F[i, j]² <= F[i, i]·F[j, j]: the checkpoint is damaged. Load "
+                        "one saved before the fault, or start this K-FAC afresh."
+                    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ __all__ = [
     "SUPPORTED_MODULES",
     "check_model_and_scaler",
     "discover_layers",
+    "layer_table",
     "make_layer",
 ]
 
@@ -181,3 +182,20 @@ def check_model_and_scaler(model: Any, grad_scaler: Any) -> None:
             f"Invalid grad_scaler={grad_scaler!r}: must be a torch.amp.GradScaler or a "
             "callable returning the current loss scale."
         )
+
+
+def layer_table(
+    layers: Mapping[str, KFACLayer], workers: Mapping[str, int], skipped: Mapping[str, str]
+) -> str:
+    """The preconditioned layers (factor shapes, decomposing rank) and the plain ones."""
+    lines = ["K-FAC preconditions:"]
+    for name, layer in layers.items():
+        a, g = layer.factor_shapes()
+        lines.append(
+            f"  {name:<30} {layer.kind:<10} A {tuple(a)}  G {tuple(g)}  "
+            f"inverse on rank {workers[name]}"
+        )
+    lines.append("Plain gradients:" if skipped else "Plain gradients: none")
+    for name, why in skipped.items():
+        lines.append(f"  {name:<30} {why}")
+    return "\n".join(lines)

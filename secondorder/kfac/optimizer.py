@@ -10,9 +10,12 @@ import torch
 from torch import Tensor, nn
 
 from .._keywords import check_keywords
+from .agreement import OtherRankError
 from .config import KAISA, KAISA_OPTIONS
 from .damping import LMDampingRule
+from .loading import PreparedLoad, commit_load, prepare_load
 from .preconditioner import KEYWORDS, KFAC
+from .transaction import Snapshot
 
 #: KFACOptimizer's own keywords, besides those of KFAC it passes on.
 OWN = (
@@ -102,35 +105,70 @@ class KFACOptimizer(torch.optim.SGD):
                 "adaptive_damping needs step(closure) on adaptation steps: a closure that "
                 "returns the loss of the current batch (forward only)"
             )
+        if not adapt:
+            self.kfac.step()
+            super().step()
+            return None
+        assert self.rule is not None and closure is not None
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if adapt:
-            assert closure is not None
-            loss_before = self._global_loss(closure)
-            raw = [p.grad.clone() for p in params]
-            before = [p.detach().clone() for p in params]
+        loss_before = self._global_loss(closure)
+        raw = [p.grad.clone() for p in params]
+        before = [p.detach().clone() for p in params]
+        # what the step changes, so that a closure that fails after it (on any rank)
+        # leaves the parameters, SGD's state and K-FAC's as they were, on every rank
+        undo = Snapshot.take(
+            self.kfac, [p for layer in self.kfac.layers.values() for p in layer.params()]
+        )
+        sgd = {p: _copied(self.state[p]) for p in params if p in self.state}
         self.kfac.step()
-        super().step()
-        if adapt:
-            assert self.rule is not None and closure is not None
+        try:
+            super().step()
             loss_after = self._global_loss(closure)
-            deltas = {p: p.detach() - b for p, b in zip(params, before, strict=True)}
-            predicted = self._predicted(params, raw, deltas)
-            rho = self.rule.ratio(loss_before, loss_after, predicted)
-            self.last_rho = rho
-            self.kfac.damping_override = self.rule.update(self.kfac.damping, rho)
-            return loss_before
-        return None
+        except BaseException:
+            for p, b in zip(params, before, strict=True):
+                p.copy_(b)
+                if p in sgd:
+                    self.state[p] = sgd[p]
+                else:
+                    self.state.pop(p, None)
+            undo.restore(self.kfac)
+            raise
+        deltas = {p: p.detach() - b for p, b in zip(params, before, strict=True)}
+        predicted = self._predicted(params, raw, deltas)
+        rho = self.rule.ratio(loss_before, loss_after, predicted)
+        self.last_rho = rho
+        self.kfac.damping_override = self.rule.update(self.kfac.damping, rho)
+        return loss_before
 
     def _global_loss(self, closure: Callable[[], Any]) -> float:
         # Each rank's closure gives its shard's loss; λ is decided from their mean
         # (the loss of the global batch for equal shards), so every rank adapts it
-        # alike (K-FAC refuses a step whose λ differs between ranks).
-        loss = torch.tensor([float(closure())], dtype=torch.float64, device=self.kfac._device)
+        # alike (K-FAC refuses a step whose λ differs between ranks).  A closure that
+        # raises on one rank sends a flag in the same sum: every rank raises.
+        error: BaseException | None = None
+        value = 0.0
+        try:
+            value = float(closure())
+        except BaseException as exc:
+            error = exc
         reducer = self.kfac.reducer
-        if reducer.world_size > 1:
-            reducer.sum_([loss])
-            loss /= reducer.world_size
-        return float(loss)
+        if reducer.world_size == 1:
+            if error is not None:
+                raise error
+            return value
+        row = [value, 0.0] if error is None else [0.0, 1.0]
+        both = torch.tensor(row, dtype=torch.float64, device=self.kfac._device)
+        reducer.sum_([both])
+        if error is not None:
+            raise error
+        failed = int(both[1])
+        if failed:
+            raise OtherRankError(
+                f"KFACOptimizer's closure raised on {failed} of {reducer.world_size} ranks "
+                "(see the error there); every rank raises with it, and the parameters, "
+                "SGD's state and K-FAC's are as before this step on every rank."
+            )
+        return float(both[0]) / reducer.world_size
 
     def _predicted(
         self, params: list[Tensor], raw: list[Tensor], deltas: dict[Tensor, Tensor]
@@ -164,14 +202,36 @@ class KFACOptimizer(torch.optim.SGD):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; both parts are checked before either is set."""
+        """Restore :meth:`state_dict`'s output: both parts or neither, on every rank.
+
+        Both parts are checked and prepared before K-FAC's is assigned; if either is
+        refused on any rank (or a rank is interrupted), every rank raises with SGD's and
+        K-FAC's state as they were.
+        """
         state = dict(state_dict)
-        if "kfac" not in state:
-            raise ValueError("KFACOptimizer.load_state_dict: the state_dict has no 'kfac' entry")
-        kfac_state = state.pop("kfac")
-        self.kfac.check_state_dict(kfac_state)
-        # torch.optim checks the parameter groups before it assigns anything; a K-FAC
-        # state that passed its check loads without error, so neither part is left
-        # half-loaded
-        super().load_state_dict(state)
-        self.kfac.load_state_dict(kfac_state)
+        kfac_state = state.pop("kfac", None)
+        old_state, old_groups = self.state, self.param_groups
+        prepared: PreparedLoad | None = None
+        error: BaseException | None = None
+        try:
+            if kfac_state is None:
+                raise ValueError(
+                    "KFACOptimizer.load_state_dict: the state_dict has no 'kfac' entry"
+                )
+            prepared = prepare_load(self.kfac, kfac_state, recompute=False)
+            # torch.optim checks the groups, then replaces self.state and
+            # self.param_groups by new objects: putting the old ones back undoes it
+            super().load_state_dict(state)
+        except BaseException as exc:
+            error = exc
+        try:
+            self.kfac._agree_load(error, "KFACOptimizer load_state_dict")
+        except BaseException:
+            self.state, self.param_groups = old_state, old_groups
+            raise
+        assert prepared is not None
+        commit_load(self.kfac, prepared)
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}

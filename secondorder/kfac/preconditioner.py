@@ -19,11 +19,13 @@ from .._keywords import check_keywords
 from ..distributed import CollectiveError, Reducer, resolve_reducer
 from .agreement import agree, shared_settings
 from .assignment import WorkAssignment, assign_work, factor_cost
-from .checkpoint import check_counters, check_layers_state, layers_state, load_layers
+from .checkpoint import layers_state
 from .config import KAISA, KAISA_OPTIONS, KFACConfig
-from .discovery import SUPPORTED_MODULES, check_model_and_scaler, discover_layers
+from .discovery import SUPPORTED_MODULES, check_model_and_scaler, discover_layers, layer_table
+from .exchange import share_inverses, share_preconditioned
 from .hooks import StatsCapture, check_calls
 from .layers import KFACLayer
+from .loading import PreparedLoad, check_state, commit_load, prepare_load
 from .packing import all_finite, pack_upper, unpack_upper
 from .sharding import gather_grads, refuse_flat_parameters
 from .transaction import Snapshot, StepPlan, blank_settings, warn_about_statistics
@@ -238,11 +240,12 @@ class KFAC:
         since the last step and every ``.grad`` are as they were: the step can be
         retried, and the batch enters the factors once.
         """
-        error: Exception | None = None
+        # BaseException: a Ctrl-C on one rank must reach the others' agreement too
+        error: BaseException | None = None
         plan: StepPlan | None = None
         try:
             plan = self._plan()
-        except Exception as exc:
+        except BaseException as exc:
             error = exc
         where = f"K-FAC step {self.steps}"
         # every rank passed its checks and reads the same settings, before any collective
@@ -262,7 +265,7 @@ class KFAC:
             plan.grads = self._gradients(plan.present)
         except CollectiveError:
             raise
-        except Exception as exc:
+        except BaseException as exc:
             error = exc
         try:
             if plan.stats is not None:
@@ -271,19 +274,19 @@ class KFAC:
                 inv = self._update_inverses(factors, plan.damping, plan.i_steps)
         except CollectiveError:
             raise
-        except Exception as exc:
+        except BaseException as exc:
             error = exc
         if plan.invert and self.assignment.grad_workers > 1:
             # a rank whose part failed still takes part, with placeholders: the
             # agreement below refuses the step everywhere before anything is written
-            self._share_inverses(inv, plan.i_steps)
+            share_inverses(self, inv, plan.i_steps)
         if error is None:
             try:
                 pre = self._precondition(plan.grads, plan.damping, inv)
-            except Exception as exc:
+            except BaseException as exc:
                 error = exc
         agree(self.reducer, error, {}, self._device, where)
-        pre = self._share_preconditioned(pre, plan.grads)
+        pre = share_preconditioned(self, pre, plan.grads)
         nu: float = 1.0
         if plan.kl_clip is not None and pre:
             # the products in the gradient's dtype, their sum accumulated in float64
@@ -386,23 +389,6 @@ class KFAC:
                 )
         return out
 
-    def _share_inverses(self, inv: dict[str, dict[str, Tensor]], uses: int) -> None:
-        """Broadcast each decomposition inside its worker group (into new tensors)."""
-        cfg = self.config
-        asg, rank = self.assignment, self.reducer.rank
-        k = asg.grad_workers
-        block = rank // k
-        for src in range(k):
-            bufs: list[Tensor] = []
-            for name, layer in self.layers.items():
-                if asg.inverse_worker[name] != block * k + src:
-                    continue
-                if name not in inv:
-                    inv[name] = layer.empty_inverse(cfg.compute_method, cfg.inv_dtype, uses)
-                bufs += [inv[name][key] for key in sorted(inv[name])]
-            if bufs:
-                self._workers.broadcast_from_(bufs, src)
-
     def _precondition(
         self, grads: dict[str, Tensor], damping: float, inv: dict[str, dict[str, Tensor]]
     ) -> dict[str, Tensor]:
@@ -415,25 +401,6 @@ class KFAC:
                 layer = self.layers[name]
                 out[name] = layer.precondition(g, cfg.compute_method, damping, inv.get(name))
         return out
-
-    def _share_preconditioned(
-        self, out: dict[str, Tensor], grads: dict[str, Tensor]
-    ) -> dict[str, Tensor]:
-        """Every layer's preconditioned gradient, broadcast from its worker group."""
-        asg = self.assignment
-        blocks = asg.world_size // asg.grad_workers
-        if blocks == 1:
-            return out
-        for b in range(blocks):
-            bufs = []
-            for name, g in grads.items():
-                if asg.block(name) == b:
-                    # a layer's result may be a padded view; collectives want it dense
-                    out[name] = out[name].contiguous() if name in out else torch.empty_like(g)
-                    bufs.append(out[name])
-            if bufs:
-                self._receivers.broadcast_from_(bufs, b)
-        return {name: out[name] for name in grads}
 
     def _commit(
         self,
@@ -471,17 +438,8 @@ class KFAC:
         Each preconditioned layer shows its factor shapes and the rank that decomposes
         it; each other module with parameters shows why it keeps its plain gradient.
         """
-        lines = ["K-FAC preconditions:"]
-        for name, layer in self.layers.items():
-            a, g = layer.factor_shapes()
-            lines.append(
-                f"  {name:<30} {layer.kind:<10} A {tuple(a)}  G {tuple(g)}  "
-                f"inverse on rank {self.assignment.inverse_worker[name]}"
-            )
-        lines.append("Plain gradients:" if self.skipped else "Plain gradients: none")
-        for name, why in self.skipped.items():
-            lines.append(f"  {name:<30} {why}")
-        return "\n".join(lines)
+        workers = self.assignment.inverse_worker
+        return layer_table(self.layers, workers, self.skipped)
 
     def __repr__(self) -> str:
         return self.summary()
@@ -502,37 +460,34 @@ class KFAC:
         }
 
     def check_state_dict(self, state: Any, recompute: bool = False) -> None:
-        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
-        check_counters(state)
-        steps = state["steps"]
-        asg, rank = self.assignment, self.reducer.rank
-        recomputes = recompute or steps % self.config.at("inv_update_steps", steps) == 0
-        needs = set() if recomputes else {n for n in self.layers if asg.is_grad_worker(n, rank)}
-        check_layers_state(state["layers"], self.layers, self.config.compute_method, needs)
+        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing.
+
+        A local check: it makes no collective, so ranks may call it alone.
+        """
+        check_state(self, state, recompute)
 
     def load_state_dict(self, state: dict[str, Any], recompute: bool = False) -> None:
         """Restore :meth:`state_dict`'s output; every entry is checked before any is set.
 
         ``recompute=True`` recomputes every loaded layer's decomposition from its
         factors, at the loaded step's damping, so a state saved without decompositions
-        (kfac-pytorch's, or one rank's) resumes at any step.
+        (kfac-pytorch's, or one rank's) resumes at any step.  The load is one
+        transaction on every rank: if any rank refuses its state (or is interrupted),
+        every rank raises and no rank's K-FAC changes.
         """
-        self.check_state_dict(state, recompute)
-        # read before assigning: a callable factor_update_steps may refuse the step count
-        steps = int(state["steps"])
-        capturing = steps % self.config.at("factor_update_steps", steps) == 0
-        load_layers(state["layers"], self.layers, self.config.inv_dtype)
-        self.steps = steps
-        override = state.get("damping_override")
-        self.damping_override = None if override is None else float(override)
-        self.skipped_factor_updates = int(state.get("skipped_factor_updates", 0))
-        self._capture.capturing = capturing
-        if recompute:
-            method, damping = self.config.compute_method, self.damping
-            uses = int(self.config.at("inv_update_steps", steps))
-            for layer in self.layers.values():
-                if layer.A is not None:
-                    layer.decompose(method, damping, self.config.inv_dtype, uses)
+        prepared: PreparedLoad | None = None
+        error: BaseException | None = None
+        try:
+            prepared = prepare_load(self, state, recompute)
+        except BaseException as exc:
+            error = exc
+        self._agree_load(error, "K-FAC load_state_dict")
+        assert prepared is not None
+        commit_load(self, prepared)
+
+    def _agree_load(self, error: BaseException | None, what: str) -> None:
+        """Every rank raises if any rank's preparation of a load failed."""
+        agree(self.reducer, error, {}, self._device, what)
 
 
 #: The keywords :class:`KFAC` takes (an unknown one is named with a suggestion).

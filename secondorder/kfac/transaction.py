@@ -126,7 +126,8 @@ class Snapshot:
     def take(cls, kfac: KFAC, params: Sequence[nn.Parameter]) -> Snapshot:
         """References to K-FAC's state and copies of the ``.grad`` of ``params``."""
         counters = {
-            k: getattr(kfac, k, None) for k in ("steps", "skipped_factor_updates", "last_nu")
+            k: getattr(kfac, k, None)
+            for k in ("steps", "skipped_factor_updates", "last_nu", "damping_override")
         }
         layers = {
             name: {k: getattr(layer, k) for k in ("A", "G", "inv", *STATS_ATTRS)}

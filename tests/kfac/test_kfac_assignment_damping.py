@@ -98,3 +98,43 @@ def test_adaptive_damping_moves_lambda_the_documented_way() -> None:
     big = adaptive_run(1e3)
     assert big.last_rho is not None and big.last_rho < 0
     assert big.kfac.damping == pytest.approx(1 / 0.95)
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_closure_that_raises_leaves_parameters_sgd_and_kfac_as_they_were(at: int) -> None:
+    # before: with the closure failing after the update (its second call), the
+    # parameters, momentum and K-FAC's factors had moved and the error escaped
+    import copy
+
+    from tests.kfac.faults import same, state_of
+
+    torch.manual_seed(0)
+    dt = torch.float64
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(dt)
+    opt = KFACOptimizer(model, lr=0.1, adaptive_damping=True, damping_adaptation_interval=1)
+    x, y = torch.randn(16, 3, dtype=dt), torch.randn(16, 2, dtype=dt)
+
+    def loss() -> torch.Tensor:
+        return ((model(x) - y) ** 2).mean()
+
+    for _ in range(2):
+        opt.zero_grad()
+        loss().backward()
+        opt.step(loss)
+    opt.zero_grad()
+    loss().backward()
+    before = {"kfac": state_of(opt.kfac, model), "sgd": copy.deepcopy(opt.state_dict())}
+    calls = [0]
+
+    def failing() -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == at:
+            raise KeyboardInterrupt("Ctrl-C in the closure")
+        return loss()
+
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C in the closure"):
+        opt.step(failing)
+    after = {"kfac": state_of(opt.kfac, model), "sgd": copy.deepcopy(opt.state_dict())}
+    assert same(after, before)
+    opt.step(loss)  # the retry goes through
+    assert opt.kfac.steps == 3

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from secondorder.kfac import KFAC
-from tests.kfac.faults import same, state_of
+from tests.kfac.faults import Fault, same, state_of
 
 DT = torch.float64
 NAN, INF = float("nan"), float("inf")
@@ -56,6 +56,21 @@ def damaged(state: dict[str, Any], layer: str, where: str, key: str, value: Any)
 def at(index: tuple[int, ...], v: float) -> Callable[[torch.Tensor], torch.Tensor]:
     def put(t: torch.Tensor) -> torch.Tensor:
         t[index] = v
+        return t
+
+    return put
+
+
+def off_diagonal(
+    i: int, j: int, scale: float, mirror: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """F[i, j] (and F[j, i] with ``mirror``) set to ``scale·√(F_ii·F_jj)``."""
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        v = scale * float((t[0, i, i] * t[0, j, j]).sqrt())
+        t[0, i, j] = v
+        if mirror:
+            t[0, j, i] = v
         return t
 
     return put
@@ -127,6 +142,35 @@ BAD: list[tuple[str, int, str, str, str, Any, str]] = [
         "A_inv",
         at((0, 0, 1), NAN),
         r"layer '0' decomposition A_inv has 1 non-finite",
+    ),
+    (
+        # an indefinite factor: eigh would clamp its negative eigenvalue, silently
+        "eigen",
+        1,
+        "0",
+        "factor",
+        "A",
+        off_diagonal(0, 2, 5.0, mirror=True),
+        r"layer '0' factor A is not a covariance: F\[0, 2\] = ",
+    ),
+    (
+        "inverse",
+        10,
+        "2",
+        "factor",
+        "G",
+        off_diagonal(2, 1, 1.5, mirror=True),
+        r"layer '2' factor G is not a covariance: F\[1, 2\] = ",
+    ),
+    (
+        # eigh reads one triangle: an asymmetric factor would lose the other, silently
+        "eigen",
+        1,
+        "2",
+        "factor",
+        "A",
+        off_diagonal(1, 3, 0.5, mirror=False),
+        r"layer '2' factor A is not symmetric: F\[1, 3\] = ",
     ),
     (
         "eigen",
@@ -250,3 +294,53 @@ def _to_cpu(entry: dict[str, Any]) -> dict[str, Any]:
     out = {k: v.cpu() for k, v in entry.items() if k != "inv"}
     out["inv"] = {k: v.cpu() for k, v in entry["inv"].items()}
     return out
+
+
+def test_indefinite_factor_with_a_sound_diagonal_is_refused() -> None:
+    # [[1, 5], [5, 1]] has eigenvalues 6 and -4; its diagonal passes the >= 0 check
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 2, bias=False)).to(DT)
+    k = KFAC(net, damping=0.1, inv_dtype=DT)
+    eye = torch.eye(2, dtype=DT)[None]
+    state = {
+        "steps": 1,
+        "layers": {
+            "0": {"A": torch.tensor([[[1.0, 5.0], [5.0, 1.0]]], dtype=DT), "G": eye, "inv": {}}
+        },
+    }
+    before = state_of(k, net)
+    with pytest.raises(
+        ValueError,
+        match=r"layer '0' factor A is not a covariance: F\[0, 1\] = 5\.0, F\[1, 0\] = 5\.0, "
+        r"F\[0, 0\] = 1\.0, F\[1, 1\] = 1\.0 \(group 0\), but a factor is symmetric with "
+        r"F\[i, j\]² <= F\[i, i\]·F\[j, j\]",
+    ):
+        k.load_state_dict(state, recompute=True)
+    assert same(state_of(k, net), before)
+    state["layers"]["0"]["A"] = torch.tensor([[[1.0, 0.5], [0.5, 1.0]]], dtype=DT)
+    k.load_state_dict(state, recompute=True)  # a sound one loads
+    assert torch.equal(k.layers["0"].A, state["layers"]["0"]["A"])
+
+
+@pytest.mark.parametrize(
+    ("method", "func", "at"),
+    [("eigen", torch.linalg.eigh, 3), ("inverse", torch.linalg.cholesky_ex, 2)],
+)
+def test_load_interrupted_while_recomputing_changes_nothing(
+    method: str, func: Any, at: int
+) -> None:
+    # before: the factors, step count and first layer's decomposition were assigned,
+    # then the decompositions computed one layer at a time
+    source_net, source = make(method, inv_update_steps=10)
+    train(source_net, source, range(3))
+    net, k = make(method, inv_update_steps=10)
+    train(net, k, range(1))
+    before = state_of(k, net)
+    fault = Fault(func, KeyboardInterrupt("Ctrl-C while loading"), at=at)
+    with fault, pytest.raises(KeyboardInterrupt, match="Ctrl-C while loading"):
+        k.load_state_dict(source.state_dict(), recompute=True)
+    assert fault.calls == at
+    assert same(state_of(k, net), before)
+    k.load_state_dict(source.state_dict(), recompute=True)
+    assert k.steps == 3
+    assert all(torch.equal(k.layers[n].G, source.layers[n].G) for n in k.layers)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from secondorder.compat.kfac.preconditioner import kaisa_modules
+from secondorder.compat.kfac.arguments import kaisa_modules
 from secondorder.kfac import KFAC
 
 from .core import Problem, Section

@@ -89,6 +89,11 @@ class KaisaCase:
     float64_decompositions: bool = True  # see peers_reference_data: KAISA's float32 casts
 
 
+def rising_damping(step: int) -> float:
+    """A damping that changes at every step (KAISA passes its step count)."""
+    return 0.003 * (1 + step)
+
+
 KAISA_CASES = {
     # the example's defaults (torch_cifar10_resnet.py), eigen and inverse
     "example_eigen": KaisaCase(),
@@ -107,6 +112,18 @@ KAISA_CASES = {
     "example_eigen_float32": KaisaCase(float64_decompositions=False),
     # one step of a conv net with no identity start: the factors' documented scale
     "conv_factors": KaisaCase(model="cnn", steps=1, exp_decay=True),
+    # a damping schedule between decompositions: KAISA's default folds λ into the
+    # eigenvalues when it decomposes (frozen until the next), without it reads λ each step
+    "damping_schedule": KaisaCase(
+        options={"inv_update_steps": 4, "damping": rising_damping},
+    ),
+    "damping_schedule_per_step": KaisaCase(
+        options={
+            "inv_update_steps": 4,
+            "damping": rising_damping,
+            "compute_eigenvalue_outer_product": False,
+        },
+    ),
 }
 
 

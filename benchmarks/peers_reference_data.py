@@ -124,11 +124,22 @@ def shampoo_data() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "compat" / "data")
+    ap.add_argument(
+        "--only",
+        choices=("kaisa", "shampoo"),
+        help="write one reference's file only (its peer alone is installed)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     meta = peer_versions()
     args.out.mkdir(parents=True, exist_ok=True)
-    for fname, make in (("kaisa_reference.pt", kaisa_data), ("shampoo_reference.pt", shampoo_data)):
+    files = (
+        ("kaisa", "kaisa_reference.pt", kaisa_data),
+        ("shampoo", "shampoo_reference.pt", shampoo_data),
+    )
+    for which, fname, make in files:
+        if args.only not in (None, which):
+            continue
         data = make()
         data["meta"] = meta
         torch.save(data, args.out / fname)

@@ -181,18 +181,54 @@ def test_state_dict_round_trip_continues_in_lockstep(method):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-13)
 
 
+def _everything(pre):
+    """The preconditioner's whole state (copied) and its hyperparameters."""
+    from tests.kfac.faults import state_of
+
+    return {
+        "native": state_of(pre.kfac, pre.kfac.layers["0"].module),
+        "kaisa": copy.deepcopy(pre.state_dict()),
+        "hyper": {n: getattr(pre, "_" + n) for n in kfac.preconditioner.SCHEDULED},
+    }
+
+
 def test_load_state_dict_refuses_a_wrong_layer_before_changing_anything():
+    from tests.kfac.faults import same
+
     model = cases.mlp()
     pre = KFACPreconditioner(model)
     _train(pre, model, torch.optim.SGD(model.parameters(), lr=0.1), cases.digits(1))
     state = pre.state_dict()
     state["layers"]["0"]["A"] = torch.zeros(3, 3, dtype=torch.float64)
-    before = pre.state_dict()
+    state["damping"] = 0.5
+    before = _everything(pre)
     with pytest.raises(
         ValueError, match=r"layer '0': factor A must be a tensor of shape \(65, 65\)"
     ):
         pre.load_state_dict(state)
-    torch.testing.assert_close(pre.state_dict()["layers"]["0"]["A"], before["layers"]["0"]["A"])
+    assert same(_everything(pre), before)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_load_state_dict_interrupted_while_recomputing_changes_nothing(method):
+    # before: the hyperparameters were set, then the native load assigned the factors
+    # and decomposed one layer at a time
+    from tests.kfac.faults import Fault, same
+
+    model = cases.mlp()
+    pre = KFACPreconditioner(model, compute_method=method, inv_dtype=torch.float64)
+    _train(pre, model, torch.optim.SGD(model.parameters(), lr=0.1), cases.digits(3))
+    state = {**pre.state_dict(), "damping": 0.5, "inv_update_steps": 7}
+    fresh_model = cases.mlp()
+    fresh = KFACPreconditioner(fresh_model, compute_method=method, inv_dtype=torch.float64)
+    _train(fresh, fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.1), cases.digits(1))
+    before = _everything(fresh)
+    func = torch.linalg.eigh if method == "eigen" else torch.linalg.cholesky_ex
+    with Fault(func, KeyboardInterrupt("Ctrl-C"), at=3), pytest.raises(KeyboardInterrupt):
+        fresh.load_state_dict(state)
+    assert same(_everything(fresh), before)
+    fresh.load_state_dict(state)
+    assert fresh.damping == 0.5 and fresh.inv_update_steps == 7 and fresh.steps == 3
 
 
 def test_lambda_param_scheduler_scales_damping():
@@ -205,6 +241,24 @@ def test_lambda_param_scheduler_scales_damping():
         ValueError, match=r"Invalid damping_lambda: preconditioner\.damping is already a callable"
     ):
         kfac.scheduler.LambdaParamScheduler(callable_damping, damping_lambda=lambda step: 0.5)
+
+
+@pytest.mark.parametrize(
+    ("lambdas", "match"),
+    [
+        ({"damping_lambda": lambda s: -1.0}, r"Invalid damping=-0\.003: must be > 0"),
+        ({"inv_update_steps_lambda": lambda s: 0.05}, r"Invalid inv_update_steps=0: must be"),
+        ({"factor_decay_lambda": lambda s: 2.0}, r"Invalid factor_decay=1\.9: must be in"),
+    ],
+)
+def test_lambda_param_scheduler_refuses_a_bad_value_and_changes_nothing(lambdas, match):
+    # before: damping became -0.003 (and the next step failed), or an interval 0
+    pre = KFACPreconditioner(cases.mlp(), damping=0.003, inv_update_steps=10)
+    sched = kfac.scheduler.LambdaParamScheduler(pre, lr_lambda=lambda s: 0.5, **lambdas)
+    before = {n: getattr(pre, "_" + n) for n in kfac.preconditioner.SCHEDULED}
+    with pytest.raises(ValueError, match=match + r".* \(from \w+_lambda at step 0; no hyper"):
+        sched.step()
+    assert {n: getattr(pre, "_" + n) for n in kfac.preconditioner.SCHEDULED} == before
 
 
 def test_exp_decay_factor_averaging():

@@ -9,7 +9,15 @@ and the loop stays ``loss.backward(); preconditioner.step(); optimizer.step()``.
 What keeps KAISA's numbers: the factors are built from the gradients of the loss as it
 is backpropagated (KAISA's convention; native ``so.KFAC`` rescales them to one sample),
 so ``damping`` and ``kl_clip`` keep their KAISA values and the run matches KAISA's for
-``nn.Linear`` layers on any number of ranks.  The same modules are preconditioned
+``nn.Linear`` layers (tested on one process against kfac-pytorch's own runs).  On W
+ranks with equal shards, KAISA averages the ranks' factors, each built from the
+gradient of its own mean loss; so does this class (tested on 2 gloo ranks against one
+process on the concatenated batch whose loss is multiplied by W, gradients divided by
+W: KAISA's effective damping shrinks as ranks are added).  With the eigen method and
+``compute_eigenvalue_outer_product=True`` (KAISA's default) a scheduled ``damping``
+is read at each decomposition and kept until the next, as KAISA folds it into
+``1/(d_G d_Aᵀ + λ)`` then; with ``False`` it is read at every step, as in KAISA.
+The same modules are preconditioned
 (leaf ``nn.Linear`` and ``nn.Conv2d`` with every parameter trainable, ``skip_layers``
 as regular expressions searched in the name and the class name).  Differences that
 remain, on purpose:
@@ -46,6 +54,9 @@ from torch import Tensor, nn
 
 from ..._keywords import check_keywords
 from ...kfac import KFAC
+from ...kfac.checkpoint import check_counters
+from ...kfac.loading import PreparedLoad, commit_load, prepare_load
+from .arguments import check_scheduled, kaisa_modules, native_fraction
 from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse
 
 __all__ = ["KAISAConventionWarning", "KFACPreconditioner"]
@@ -81,76 +92,6 @@ CONVENTION = (
     "kl_clip=B²·kl_clip reproduce this run once the identity start of the factors has "
     "decayed and while the KL clip is active."
 )
-
-
-def _check_scheduled(name: str, value: object) -> None:
-    """KAISA's rules for a constant hyperparameter (a callable is checked at each step)."""
-    if callable(value):
-        return
-    if name == "kl_clip" and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name}={value!r}: must be a number or a callable of the step.")
-    if name in ("factor_update_steps", "inv_update_steps"):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1.")
-        return
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"Invalid {name}={value!r}: must be finite.")
-    if name == "factor_decay":
-        if v == 1.0:
-            raise ValueError(
-                "Invalid factor_decay=1.0: kfac-pytorch accepts it and then never updates the "
-                "factors (they stay the identity); use a value in [0, 1)."
-            )
-        if not 0.0 <= v < 1.0:
-            raise ValueError(f"Invalid factor_decay={value!r}: must be in [0, 1).")
-    elif name == "lr":
-        if v < 0.0:
-            raise ValueError(f"Invalid lr={value!r}: must be >= 0.")
-    elif v <= 0.0:
-        raise ValueError(f"Invalid {name}={value!r}: must be > 0.")
-
-
-def _grad_worker_fraction(value: object) -> tuple[float | str, DistributedStrategy]:
-    """KAISA's ``grad_worker_fraction`` as so.KFAC's, and the strategy it names."""
-    if isinstance(value, (DistributedStrategy, str)):
-        strategy = parse("grad_worker_fraction", DistributedStrategy, value)
-        names: dict[DistributedStrategy, float | str] = {
-            DistributedStrategy.COMM_OPT: 1.0,
-            DistributedStrategy.HYBRID_OPT: 0.5,
-            DistributedStrategy.MEM_OPT: "mem-opt",
-        }
-        native = names[strategy]
-        return native, strategy
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(
-            f"Invalid grad_worker_fraction={value!r}: must be a number in [0, 1] (0 means "
-            "1/world_size) or a DistributedStrategy."
-        )
-    if value == 0:
-        return "mem-opt", DistributedStrategy.MEM_OPT
-    if value == 1:
-        return 1.0, DistributedStrategy.COMM_OPT
-    return float(value), DistributedStrategy.HYBRID_OPT
-
-
-def _any_match(text: str, patterns: list[str]) -> bool:
-    return any(re.search(p, text) for p in patterns)
-
-
-def kaisa_modules(model: nn.Module, skip_layers: list[str]) -> list[str]:
-    """The names of the modules kfac-pytorch registers: trainable leaf Linear/Conv2d."""
-    names = []
-    for name, m in model.named_modules():
-        if next(m.children(), None) is not None or not isinstance(m, (nn.Linear, nn.Conv2d)):
-            continue
-        if _any_match(name, skip_layers) or _any_match(type(m).__name__, skip_layers):
-            continue
-        if all(p.requires_grad for p in m.parameters()):
-            names.append(name)
-    return names
 
 
 class KFACPreconditioner:
@@ -201,7 +142,7 @@ class KFACPreconditioner:
             "lr": lr,
         }
         for name, value in values.items():
-            _check_scheduled(name, value)
+            check_scheduled(name, value)
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
             raise TypeError(f"Invalid accumulation_steps={accumulation_steps!r}: must be an int.")
         if accumulation_steps < 1:
@@ -222,7 +163,7 @@ class KFACPreconditioner:
                 "the outer product of the eigenvalues needs both factors of a layer on one "
                 "rank; set colocate_factors=True (kfac-pytorch refuses this pair too)."
             )
-        fraction, distributed = _grad_worker_fraction(grad_worker_fraction)
+        fraction, distributed = native_fraction(grad_worker_fraction)
         if skip_layers is None:
             skip_layers = []
         if isinstance(skip_layers, str) or not all(isinstance(s, str) for s in skip_layers):
@@ -244,6 +185,10 @@ class KFACPreconditioner:
         self._update_factors_in_hook = update_factors_in_hook
         self._loglevel = loglevel
         self._f_steps: dict[int, int] = {}
+        # KAISA divides by d_G d_Aᵀ + λ when it decomposes (the eigen method with
+        # compute_eigenvalue_outer_product): λ is frozen until the next decomposition
+        self._freezes_damping = method is ComputeMethod.EIGEN and compute_eigenvalue_outer_product
+        self._frozen_damping: float | None = None
         self.allreduce_bucket_cap_mb = float(allreduce_bucket_cap_mb)
         self.assignment_strategy = strategy
         self.colocate_factors = colocate_factors
@@ -261,7 +206,7 @@ class KFACPreconditioner:
             model,
             factor_update_steps=self._scheduled_factor_steps,
             inv_update_steps=lambda s: self._at("inv_update_steps", s),
-            damping=lambda s: self._at("damping", s),
+            damping=self._scheduled_damping,
             factor_decay=lambda s: self._at("factor_decay", s),
             kl_clip=self._scheduled_kl_clip,
             lr=lambda s: self._at("lr", s) or 1.0,  # lr = 0: no clip (see kl_clip)
@@ -285,8 +230,8 @@ class KFACPreconditioner:
         warnings.warn(CONVENTION, KAISAConventionWarning, stacklevel=2)
 
     # -- hyperparameters, KAISA's properties -------------------------------------------
-    def _at(self, name: str, step: int) -> Any:
-        value = getattr(self, "_" + name)
+    def _at(self, name: str, step: int, values: dict[str, Any] | None = None) -> Any:
+        value = values[name] if values and name in values else getattr(self, "_" + name)
         return value(step) if callable(value) else value
 
     def _scheduled_factor_steps(self, step: int) -> int:
@@ -296,6 +241,17 @@ class KFACPreconditioner:
             self._f_steps = {s: v for s, v in self._f_steps.items() if s >= step - 1}
             self._f_steps[step] = self._at("factor_update_steps", step)
         return self._f_steps[step]
+
+    def _scheduled_damping(self, step: int) -> float:
+        # KAISA's eigen method with compute_eigenvalue_outer_product=True (its default)
+        # folds λ into 1/(d_G d_Aᵀ + λ) at each decomposition: a λ scheduled between two
+        # decompositions takes effect at the next one, as it does here
+        value = float(self._at("damping", step))
+        if not self._freezes_damping:
+            return value
+        if self._frozen_damping is None or step % self._at("inv_update_steps", step) == 0:
+            self._frozen_damping = value
+        return self._frozen_damping
 
     def _scheduled_kl_clip(self, step: int) -> float | None:
         # KAISA's clip with lr = 0 divides by a zero sum and keeps the step (scale 1)
@@ -401,33 +357,50 @@ class KFACPreconditioner:
         """Restore :meth:`state_dict`'s output (or kfac-pytorch's); checked before anything is set.
 
         With ``compute_inverses`` the decompositions are recomputed from the loaded
-        factors, so training can resume at any step.
+        factors, at the loaded hyperparameters, so training can resume at any step.  If
+        the state is refused on any rank, every rank raises and nothing changes.
         """
-        if not isinstance(state_dict, dict) or "steps" not in state_dict:
-            raise ValueError("KFACPreconditioner.load_state_dict: expected a dict with 'steps'")
-        for name in SCHEDULED:
-            if name in state_dict:
-                _check_scheduled(name, state_dict[name])
-        native = self.kfac.state_dict()
-        native["steps"] = state_dict["steps"]
-        layers = state_dict.get("layers")
-        if layers is not None:
-            if not isinstance(layers, dict) or len(layers) != len(self.kfac.layers):
-                raise ValueError(
-                    "KFACPreconditioner.load_state_dict: the state holds "
-                    f"{len(layers) if isinstance(layers, dict) else layers!r} layers, this "
-                    f"model {len(self.kfac.layers)}"
-                )
-            native["layers"] = {
-                name: self._native_entry(name, entry) for name, entry in layers.items()
-            }
-        recompute = compute_inverses and layers is not None
-        self.kfac.check_state_dict(native, recompute)
-        for name in SCHEDULED:
-            if name in state_dict:
-                setattr(self, "_" + name, state_dict[name])
+        prepared: PreparedLoad | None = None
+        error: BaseException | None = None
+        hyper: dict[str, Any] = {}
+        layers = None
+        frozen: float | None = None
+        try:
+            if not isinstance(state_dict, dict) or "steps" not in state_dict:
+                raise ValueError("KFACPreconditioner.load_state_dict: expected a dict with 'steps'")
+            hyper = {name: state_dict[name] for name in SCHEDULED if name in state_dict}
+            for name, value in hyper.items():
+                check_scheduled(name, value)
+            native = self.kfac.state_dict()
+            native["steps"] = state_dict["steps"]
+            layers = state_dict.get("layers")
+            if layers is not None:
+                if not isinstance(layers, dict) or len(layers) != len(self.kfac.layers):
+                    raise ValueError(
+                        "KFACPreconditioner.load_state_dict: the state holds "
+                        f"{len(layers) if isinstance(layers, dict) else layers!r} layers, "
+                        f"this model {len(self.kfac.layers)}"
+                    )
+                native["layers"] = {
+                    name: self._native_entry(name, entry) for name, entry in layers.items()
+                }
+            check_counters(native)  # the step count, before it is used below
+            steps = int(native["steps"])
+            # the decompositions of the loaded step, at the loaded hyperparameters (as
+            # KAISA sets them before it recomputes), assigned only after the agreement
+            frozen = float(self._at("damping", steps, hyper))
+            uses = int(self._at("inv_update_steps", steps, hyper))
+            recompute = compute_inverses and layers is not None
+            prepared = prepare_load(self.kfac, native, recompute, frozen, uses)
+        except BaseException as exc:
+            error = exc
+        self.kfac._agree_load(error, "KFACPreconditioner load_state_dict")
+        assert prepared is not None
+        commit_load(self.kfac, prepared)
+        for name, value in hyper.items():
+            setattr(self, "_" + name, value)
         self._f_steps = {}
-        self.kfac.load_state_dict(native, recompute)
+        self._frozen_damping = frozen
         if layers is None and compute_inverses:
             warnings.warn(
                 "Layer factors are not included in the state_dict, so the decompositions "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .arguments import check_scheduled
 from .preconditioner import KFACPreconditioner
 
 __all__ = ["LambdaParamScheduler"]
@@ -60,5 +61,13 @@ class LambdaParamScheduler:
         for name, fn in self._lambdas.items():
             value = getattr(p, "_" + name) * fn(at)
             new[name] = int(value) if name in _INTEGER else value
+        # every new value checked before any is set: a refused one changes nothing
+        for name, value in new.items():
+            try:
+                check_scheduled(name, value)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f"{exc} (from {name}_lambda at step {at}; no hyperparameter was changed)"
+                ) from exc
         for name, value in new.items():
             setattr(p, "_" + name, value)

@@ -35,13 +35,21 @@ __all__ = [
 
 
 def layers_state(layers: Mapping[str, KFACLayer]) -> dict[str, Any]:
-    """Copies of every layer's factors (when set) and this rank's decompositions."""
+    """Copies of every layer's factors and this rank's decompositions.
+
+    The factors are always there (the identity before the first update, where the
+    running averages start), so every state of one K-FAC has the same tensors of the
+    same shapes: a fresh K-FAC's state is the template ``torch.distributed.checkpoint``
+    loads into.
+    """
     out: dict[str, Any] = {}
     for name, layer in layers.items():
         entry: dict[str, Any] = {}
-        if layer.A is not None and layer.G is not None:
-            entry["A"] = layer.A.clone()
-            entry["G"] = layer.G.clone()
+        a, g = (
+            layer.identity_factors() if layer.A is None or layer.G is None else (layer.A, layer.G)
+        )
+        entry["A"] = a.clone()
+        entry["G"] = g.clone()
         entry["inv"] = {k: v.clone() for k, v in layer.inv.items()}
         out[name] = entry
     return out

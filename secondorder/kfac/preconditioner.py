@@ -449,8 +449,12 @@ class KFAC:
         """Steps, adaptive damping and every layer's factors and this rank's decompositions.
 
         Plain tensors, numbers and strings, so ``torch.load(..., weights_only=True)``
-        reads it.  Factors are identical on every rank; decompositions are the ones
-        this rank holds.
+        reads it.  Factors are identical on every rank (the identity before the first
+        update); decompositions are the ones this rank holds.  With
+        ``torch.distributed.checkpoint``, save it beside the model's and optimizer's
+        state and load into a fresh K-FAC's ``state_dict()`` as the template; it holds
+        no decompositions, so pass the result to :meth:`load_state_dict` with
+        ``recompute=True`` unless the loaded step recomputes them anyway.
         """
         return {
             "steps": self.steps,

@@ -18,36 +18,55 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _bounds(
+    above: float | None, at_least: float | None, below: float | None, at_most: float | None
+) -> str:
+    """`` > 0``, `` <= 1``, `` in [0, 1)``: the allowed range, as the messages say it."""
+    low = "(" if above is not None else "[" if at_least is not None else None
+    high = ")" if below is not None else "]" if at_most is not None else None
+    lo = above if above is not None else at_least
+    hi = below if below is not None else at_most
+    if low is not None and high is not None:
+        return f" in {low}{lo:g}, {hi:g}{high}"
+    if low is not None:
+        return f" {'>' if low == '(' else '>='} {lo:g}"
+    if high is not None:
+        return f" {'<' if high == ')' else '<='} {hi:g}"
+    return ""
+
+
 def check_number(
     name: str,
     value: object,
     *,
     above: float | None = None,
     at_least: float | None = None,
+    below: float | None = None,
+    at_most: float | None = None,
     type_error: bool = True,
-) -> None:
-    """A finite real number, ``> above`` or ``>= at_least`` (at most one of them).
+    also: str = "",
+) -> float:
+    """A finite real number in the range the bounds give; returns it as a float.
 
-    ``type_error``: a non-number raises ``TypeError("{name} must be a number, ...")``;
-    otherwise it raises the same :class:`ValueError` as an out-of-range number.
+    ``above``/``at_least`` bound it from below (strictly or not), ``below``/``at_most``
+    from above (at most one of each pair).  Every failure has one message,
+    ``Invalid {name}={value!r}: must be a finite number{range}{also}.``; a value that
+    is not a real number (a string, a bool) raises it as :class:`TypeError` unless
+    ``type_error=False``.  ``also`` names what else is accepted (", or a callable").
     """
-    bound = (
-        f" > {above:g}"
-        if above is not None
-        else f" >= {at_least:g}"
-        if at_least is not None
-        else ""
+    message = (
+        f"Invalid {name}={value!r}: must be a finite number"
+        f"{_bounds(above, at_least, below, at_most)}{also}."
     )
-    message = f"Invalid {name}={value!r}: must be a finite number{bound}."
     if not _is_real(value):
-        if type_error:
-            raise TypeError(f"{name} must be a number, got {value!r}")
-        raise ValueError(message)
+        raise (TypeError if type_error else ValueError)(message)
     x = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(x) or (above is not None and not x > above):
+    ok = math.isfinite(x)
+    ok = ok and (above is None or x > above) and (at_least is None or x >= at_least)
+    ok = ok and (below is None or x < below) and (at_most is None or x <= at_most)
+    if not ok:
         raise ValueError(message)
-    if at_least is not None and not x >= at_least:
-        raise ValueError(message)
+    return x
 
 
 def check_open_unit(name: str, value: object, *, allow_none: bool = False) -> None:

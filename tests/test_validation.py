@@ -41,8 +41,31 @@ def test_numbers_in_range_pass() -> None:
             ValueError,
             r"^Invalid damping=-1: must be a finite number >= 0\.$",
         ),
-        (lambda: check_number("lr", "1", above=0), TypeError, r"^lr must be a number, got '1'$"),
-        (lambda: check_number("lr", True, above=0), TypeError, r"^lr must be a number, got True$"),
+        (
+            lambda: check_number("lr", "1", above=0),
+            TypeError,
+            r"^Invalid lr='1': must be a finite number > 0\.$",
+        ),
+        (
+            lambda: check_number("lr", True, above=0),
+            TypeError,
+            r"^Invalid lr=True: must be a finite number > 0\.$",
+        ),
+        (
+            lambda: check_number("beta", 1.0, at_least=0, below=1),
+            ValueError,
+            r"^Invalid beta=1\.0: must be a finite number in \[0, 1\)\.$",
+        ),
+        (
+            lambda: check_number("eps", 2.0, at_most=1),
+            ValueError,
+            r"^Invalid eps=2\.0: must be a finite number <= 1\.$",
+        ),
+        (
+            lambda: check_number("damping", "big", above=0, also=", or a callable of the step"),
+            TypeError,
+            r"^Invalid damping='big': must be a finite number > 0, or a callable of the step\.$",
+        ),
         (
             lambda: check_number("ftol", "x", at_least=0, type_error=False),
             ValueError,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,3 +128,30 @@ def test_numbers_in_range_pass() -> None:
 def test_bad_values_raise_naming_argument_value_and_range(call, error, message) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def _families() -> list[tuple[str, Any]]:
+    from torch import nn
+
+    import secondorder as so
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 2))
+
+    return [
+        ("LevenbergMarquardt", lambda lr: so.LevenbergMarquardt(model(), lr=lr)),
+        ("KFAC", lambda lr: so.KFAC(model(), lr=lr)),
+        ("KFACOptimizer", lambda lr: so.KFACOptimizer(model(), lr=lr)),
+    ]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, "0.1"])
+def test_a_bad_lr_gets_one_message_shape_from_every_family(bad: object) -> None:
+    for family, build in _families():
+        with pytest.raises((TypeError, ValueError)) as raised:
+            build(bad)
+        message = str(raised.value)
+        assert re.match(rf"Invalid lr={re.escape(repr(bad))}: must be a finite number", message), (
+            family,
+            message,
+        )

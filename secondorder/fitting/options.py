@@ -164,7 +164,7 @@ def check_call(
             f"{type(kwargs).__name__} {kwargs!r}: pass kwargs={{'name': value}}"
         )
     if not isinstance(geodesic, bool):
-        raise TypeError(f"geodesic must be a bool, got {geodesic!r}")
+        raise TypeError(f"Invalid geodesic={geodesic!r}: must be True or False.")
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, got {callback!r}")
     if workers not in (None, 1):

@@ -8,7 +8,6 @@ each time it is read (:meth:`KFACConfig.at`), with the same message.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._validation import check_integer, check_number
 from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, choice
 
 __all__ = [
@@ -65,40 +65,25 @@ KAISA = "kfac-pytorch (KAISA)"
 Schedule = float | int | Callable[[int], Any]
 
 
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name}={value!r}: must be a number or a callable of the step.")
-    if not math.isfinite(value):
-        raise ValueError(f"Invalid {name}={value!r}: must be finite.")
-    return float(value)
+#: What a scheduled hyperparameter accepts besides a number (the messages add it).
+_SCHEDULED = ", or a callable of the step"
 
 
 def check_damping(value: object) -> float:
     """``damping`` must be a finite number > 0 (λ is added to eigenvalues that may be 0)."""
-    v = _number("damping", value)
-    if v <= 0:
-        raise ValueError(f"Invalid damping={value!r}: must be a finite number > 0.")
-    return v
+    return check_number("damping", value, above=0, also=_SCHEDULED)
 
 
 def check_factor_decay(value: object) -> float:
     """``factor_decay`` in [0, 1): 0 keeps only the newest factor, 1 would never update."""
-    v = _number("factor_decay", value)
-    if not 0.0 <= v < 1.0:
-        raise ValueError(
-            f"Invalid factor_decay={value!r}: must be in [0, 1) (0 uses only the newest batch)."
-        )
-    return v
+    return check_number("factor_decay", value, at_least=0, below=1, also=_SCHEDULED)
 
 
 def check_kl_clip(value: object) -> float | None:
     """``kl_clip`` is None (no clipping) or a finite number > 0."""
     if value is None:
         return None
-    v = _number("kl_clip", value)
-    if v <= 0:
-        raise ValueError(f"Invalid kl_clip={value!r}: must be None (no clipping) or > 0.")
-    return v
+    return check_number("kl_clip", value, above=0, also=", None (no clipping) or a callable")
 
 
 def check_lr(value: object) -> float:
@@ -107,16 +92,13 @@ def check_lr(value: object) -> float:
     A schedule may bring it to 0 (``CosineAnnealingLR(eta_min=0)``): the step is then
     0 and nothing is clipped.
     """
-    v = _number("lr", value)
-    if v < 0:
-        raise ValueError(f"Invalid lr={value!r}: must be a finite number >= 0.")
-    return v
+    return check_number("lr", value, at_least=0, also=_SCHEDULED)
 
 
 def check_steps(name: str, value: object) -> int:
     """An update interval: an integer >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1.")
+    check_integer(name, value)
+    assert isinstance(value, int)
     return value
 
 

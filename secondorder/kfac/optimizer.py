@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .._keywords import check_keywords
+from .._validation import check_number
 from .agreement import OtherRankError
 from .config import KAISA, KAISA_OPTIONS
 from .damping import LMDampingRule
@@ -77,6 +78,11 @@ class KFACOptimizer(torch.optim.SGD):
     ) -> None:
         valid = [*OWN, *(k for k in KEYWORDS if k != "lr")]
         check_keywords("KFACOptimizer", kfac_kwargs, valid, KAISA_OPTIONS, KAISA)
+        # torch.optim.SGD lets NaN and inf through (and a string fails on a comparison).
+        check_number("lr", lr, at_least=0)
+        check_number("momentum", momentum, at_least=0)
+        check_number("weight_decay", weight_decay, at_least=0)
+        check_number("dampening", dampening, at_least=0)
         self.rule = (
             LMDampingRule(
                 damping_adaptation_interval, damping_adaptation_decay, min_damping, max_damping

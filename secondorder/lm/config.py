@@ -209,16 +209,9 @@ class LMConfig:
         check_integer("memory_budget", self.memory_budget)
         check_integer("memory_limit", self.memory_limit, allow_none=True)
         if not isinstance(self.geodesic, bool):
-            raise TypeError(f"geodesic must be a bool, got {self.geodesic!r}")
+            raise TypeError(f"Invalid geodesic={self.geodesic!r}: must be True or False.")
         check_number("geodesic_alpha", self.geodesic_alpha, above=0)
-        if isinstance(self.min_gain_ratio, bool) or not isinstance(
-            self.min_gain_ratio, (int, float)
-        ):
-            raise TypeError(
-                f"Invalid min_gain_ratio={self.min_gain_ratio!r}: must be a number in [0, 1)."
-            )
-        if not (0.0 <= self.min_gain_ratio < 1.0):
-            raise ValueError(f"Invalid min_gain_ratio={self.min_gain_ratio!r}: must be in [0, 1).")
+        check_number("min_gain_ratio", self.min_gain_ratio, at_least=0, below=1)
         for name in ("ftol", "xtol", "gtol"):
             check_number(name, getattr(self, name), at_least=0)
         if not (

@@ -227,7 +227,7 @@ class _TensorThenList:
     ("fun", "x0", "options", "error", "match"),
     [
         (_np, [0.0], {"args": 3}, TypeError, r"args must be a tuple of extra arguments.*3"),
-        (_np, [0.0], {"geodesic": 1}, TypeError, r"geodesic must be a bool, got 1"),
+        (_np, [0.0], {"geodesic": 1}, TypeError, r"Invalid geodesic=1: must be True or False\."),
         (_np, np.ones(2, dtype=complex), {}, ValueError, r"x0 must be real, got a complex"),
         (lambda x: x[:0], torch.zeros(2, dtype=F64), {}, ValueError, r"fun returned no residuals"),
         (

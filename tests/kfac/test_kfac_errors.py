@@ -25,11 +25,27 @@ BAD = [
         r"'-' or '_'\) or a member of ComputeMethod such as ComputeMethod\.EIGEN\.$",
     ),
     (dict(damping=-1e-3), ValueError, r"Invalid damping=-0.001: must be a finite number > 0"),
-    (dict(damping=float("nan")), ValueError, r"Invalid damping=nan: must be finite"),
-    (dict(damping="big"), TypeError, r"Invalid damping='big': must be a number or a callable"),
-    (dict(factor_decay=1.0), ValueError, r"Invalid factor_decay=1.0: must be in \[0, 1\)"),
-    (dict(factor_decay=-0.1), ValueError, r"Invalid factor_decay=-0.1: must be in \[0, 1\)"),
-    (dict(kl_clip=0.0), ValueError, r"Invalid kl_clip=0.0: must be None \(no clipping\) or > 0"),
+    (dict(damping=float("nan")), ValueError, r"Invalid damping=nan: must be a finite number > 0"),
+    (
+        dict(damping="big"),
+        TypeError,
+        r"^Invalid damping='big': must be a finite number > 0, or a callable of the step\.$",
+    ),
+    (
+        dict(factor_decay=1.0),
+        ValueError,
+        r"Invalid factor_decay=1.0: must be a finite number in \[0, 1\)",
+    ),
+    (
+        dict(factor_decay=-0.1),
+        ValueError,
+        r"Invalid factor_decay=-0.1: must be a finite number in \[0, 1\)",
+    ),
+    (
+        dict(kl_clip=0.0),
+        ValueError,
+        r"^Invalid kl_clip=0.0: must be a finite number > 0, None \(no clipping\) or a callable\.$",
+    ),
     (dict(lr=-0.1), ValueError, r"Invalid lr=-0.1: must be a finite number >= 0"),
     (
         dict(factor_update_steps=0),

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 from torch import nn
 
+from ..._validation import check_integer, check_number
 from .enums import DistributedStrategy, parse
 
 __all__ = ["check_scheduled", "kaisa_modules", "native_fraction"]
@@ -18,28 +18,20 @@ def check_scheduled(name: str, value: object) -> None:
         return
     if name == "kl_clip" and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name}={value!r}: must be a number or a callable of the step.")
+    also = ", or a callable of the step"
     if name in ("factor_update_steps", "inv_update_steps"):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1.")
-        return
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"Invalid {name}={value!r}: must be finite.")
-    if name == "factor_decay":
-        if v == 1.0:
+        check_integer(name, value)
+    elif name == "factor_decay":
+        if value == 1.0 and not isinstance(value, bool):
             raise ValueError(
                 "Invalid factor_decay=1.0: kfac-pytorch accepts it and then never updates the "
                 "factors (they stay the identity); use a value in [0, 1)."
             )
-        if not 0.0 <= v < 1.0:
-            raise ValueError(f"Invalid factor_decay={value!r}: must be in [0, 1).")
+        check_number(name, value, at_least=0, below=1, also=also)
     elif name == "lr":
-        if v < 0.0:
-            raise ValueError(f"Invalid lr={value!r}: must be >= 0.")
-    elif v <= 0.0:
-        raise ValueError(f"Invalid {name}={value!r}: must be > 0.")
+        check_number(name, value, at_least=0, also=also)
+    else:
+        check_number(name, value, above=0, also=also)
 
 
 def native_fraction(value: object) -> tuple[float | str, DistributedStrategy]:

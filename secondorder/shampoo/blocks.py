@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .blocking import BlockSpec, block_slices, merge_dims
 from .config import state_dtype
-from .distributor import assign_blocks, block_cost
+from .distributor import Distributor, block_cost, local_tensor
 from .grafting import grafting_has_state
 from .groups import block_name
 from .state import check_entry
@@ -35,7 +35,12 @@ __all__ = [
 
 @dataclass
 class Block:
-    """One block of one parameter: where it lies, which rank owns it, its name in errors."""
+    """One block of one parameter: where it lies, which rank owns it, its name in errors.
+
+    ``param`` is the parameter (the optimizer state's key); ``data`` the tensor the
+    block lies in, the parameter itself or, for a DTensor, this rank's shard;
+    ``entry`` prefixes the block's state-dict entries.
+    """
 
     param: Tensor
     group_index: int
@@ -45,9 +50,16 @@ class Block:
     gid: int
     owner: int
     name: str
+    data: Tensor
+    entry: str
+
+    def grad(self) -> Tensor | None:
+        """The gradient of :attr:`data` (a DTensor gradient's local shard)."""
+        g = self.param.grad
+        return None if g is None else local_tensor(g)
 
     def view(self, t: Tensor) -> Tensor:
-        """The block's part of ``t`` (a tensor of the parameter's shape).
+        """The block's part of ``t`` (a tensor of :attr:`data`'s shape).
 
         A view where ``t``'s strides allow it (a contiguous ``t``); a copy otherwise (a
         transposed or ``channels_last`` gradient), so only read through it unless ``t``
@@ -78,19 +90,21 @@ class Prepared:
     W: Tensor | None
 
 
-def cut_blocks(param_groups: list[dict[str, Any]], world: int) -> list[Block]:
-    """Every non-empty parameter's blocks, in group and parameter order, with owners."""
+def cut_blocks(param_groups: list[dict[str, Any]], distributor: Distributor) -> list[Block]:
+    """Every non-empty (local) parameter's blocks, in group and parameter order, with owners."""
     blocks: list[Block] = []
     for gi, group in enumerate(param_groups):
         mpd = group["max_preconditioner_dim"]
         for pi, p in enumerate(group["params"]):
-            if p.numel() == 0:
+            data = distributor.local(p)
+            if data.numel() == 0:
                 continue
-            merged = merge_dims(p.shape, mpd)
+            merged = merge_dims(data.shape, mpd)
             name = block_name(param_groups, gi, pi, p)
             for spec in block_slices(merged, mpd):
-                blocks.append(Block(p, gi, pi, merged, spec, len(blocks), 0, name))
-    owners = assign_blocks([block_cost(b.spec.shape) for b in blocks], world)
+                entry = distributor.entry(spec.index)
+                blocks.append(Block(p, gi, pi, merged, spec, len(blocks), 0, name, data, entry))
+    owners = distributor.owners([block_cost(b.spec.shape) for b in blocks])
     for b, r in zip(blocks, owners, strict=True):
         b.owner = r
     return blocks
@@ -138,7 +152,7 @@ def bind_batch_state(batch: Batch, opt_state: Any, required: bool = False) -> No
     for i, b in enumerate(batch.blocks):
         pstate = opt_state[b.param]
         for state_key, buf in batch.state.items():
-            entry = f"block{b.spec.index}.{state_key}"
+            entry = f"{b.entry}.{state_key}"
             if entry in pstate:
                 saved = pstate[entry]
                 check_entry(entry, b.name, saved, buf[i])
@@ -166,9 +180,9 @@ def prepare_batch(group: dict[str, Any], batch: Batch) -> Prepared | None:
     blocks = [batch.blocks[i] for i in active]
     # Half-precision parameters step in float32 (see config.state_dtype).
     dtype = state_dtype(blocks[0].param.dtype)
-    G = torch.stack([b.view(cast(Tensor, b.param.grad)) for b in blocks]).to(dtype)
+    G = torch.stack([b.view(cast(Tensor, b.grad())) for b in blocks]).to(dtype)
     wd = float(group["weight_decay"])
-    W = torch.stack([b.view(b.param) for b in blocks]).to(dtype) if wd != 0.0 else None
+    W = torch.stack([b.view(b.data) for b in blocks]).to(dtype) if wd != 0.0 else None
     if W is not None and not group["use_decoupled_weight_decay"]:
         G.add_(W, alpha=wd)
     return Prepared(blocks, index, S, G, W)

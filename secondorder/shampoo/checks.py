@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .blocks import Batch, Prepared
+from .distributor import is_sharded, local_tensor
 from .grafting import update_grafting_out_of_place
 from .groups import block_name
 from .root_inverse import finite_per_matrix
@@ -19,7 +20,11 @@ __all__ = ["check_gradients", "check_overflow"]
 
 
 def check_gradients(param_groups: list[dict[str, Any]]) -> None:
-    """Refuse sparse gradients and non-finite ones (NaN or ±Inf), naming the parameters."""
+    """Refuse sparse gradients and non-finite ones (NaN or ±Inf), naming the parameters.
+
+    A DTensor parameter's gradient must be sharded as the parameter is (as
+    ``fully_shard`` leaves it); only this rank's shard is checked.
+    """
     grads = [
         (gi, pi, p)
         for gi, g in enumerate(param_groups)
@@ -28,18 +33,25 @@ def check_gradients(param_groups: list[dict[str, Any]]) -> None:
     ]
     if not grads:
         return
-    for _, _, p in grads:
+    for gi, pi, p in grads:
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError("Shampoo does not support sparse gradients; densify them first")
+        if is_sharded(p) and getattr(p.grad, "placements", None) != p.placements:
+            raise ValueError(
+                f"the gradient of {block_name(param_groups, gi, pi, p)} is placed as "
+                f"{getattr(p.grad, 'placements', 'a plain tensor')}, its parameter as "
+                f"{p.placements}: Shampoo steps each rank's shard with the same shard of the "
+                "averaged gradient, as fully_shard gives it; no state was changed."
+            )
     # amax/amin propagate NaN and expose ±Inf: two fast reductions per gradient
     # instead of isfinite's elementwise passes (see finite_per_matrix).
+    local = [local_tensor(p.grad) for _, _, p in grads if p.grad is not None]
     finite = torch.stack(
         [
-            finite_per_matrix(p.grad.reshape(1, -1)).squeeze(0)
-            if p.grad.numel()
-            else torch.tensor(True, device=p.grad.device)
-            for _, _, p in grads
-            if p.grad is not None
+            finite_per_matrix(g.reshape(1, -1)).squeeze(0)
+            if g.numel()
+            else torch.tensor(True, device=g.device)
+            for g in local
         ]
     )
     if bool(finite.all()):

@@ -17,7 +17,15 @@ from typing import Any
 
 import torch
 
+from .named_configs import (
+    AdaGradPreconditionerConfig,
+    AdamPreconditionerConfig,
+    RMSpropPreconditionerConfig,
+    SGDPreconditionerConfig,
+)
+
 __all__ = [
+    "GRAFTING_CONFIGS",
     "PRECONDITIONERS",
     "AdaGradGraftingConfig",
     "AdamGraftingConfig",
@@ -188,11 +196,18 @@ _CONFIG_CLASSES: dict[str, type[Any]] = {
         AdamGraftingConfig,
         EigenConfig,
         CoupledNewtonConfig,
+        SGDPreconditionerConfig,
+        AdaGradPreconditionerConfig,
+        RMSpropPreconditionerConfig,
+        AdamPreconditionerConfig,
     )
 }
 
+#: What ``grafting_config`` takes besides ``None`` (DistributedShampoo's names too).
+GRAFTING_CONFIGS = (GraftingConfig, SGDPreconditionerConfig, AdaGradPreconditionerConfig)
 
-def config_to_dict(config: GraftingConfig | RootInvConfig | None) -> dict[str, Any] | None:
+
+def config_to_dict(config: Any) -> dict[str, Any] | None:
     """A plain dictionary (loadable with ``weights_only=True``) describing ``config``."""
     if config is None:
         return None
@@ -290,10 +305,12 @@ def validate_group(group: dict[str, Any]) -> None:
         0,
     )
     grafting = group["grafting_config"]
-    if grafting is not None and not isinstance(grafting, GraftingConfig):
+    if grafting is not None and not isinstance(grafting, GRAFTING_CONFIGS):
         raise TypeError(
             f"Invalid grafting_config={grafting!r}: must be None or one of SGDGraftingConfig, "
-            "AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig."
+            "AdaGradGraftingConfig, RMSpropGraftingConfig, AdamGraftingConfig, or "
+            "DistributedShampoo's SGDPreconditionerConfig, AdaGradPreconditionerConfig, "
+            "RMSpropPreconditionerConfig, AdamPreconditionerConfig."
         )
     if group["preconditioner"] not in PRECONDITIONERS:
         raise ValueError(

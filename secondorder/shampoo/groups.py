@@ -6,12 +6,14 @@ state (:data:`STRUCTURAL`); the functions here read a group and never change sta
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
 
+from .._keywords import unknown_keyword_error
 from .config import EigenConfig, config_from_dict
 from .grafting import grafting_has_state
 from .preconditioner import (
@@ -21,9 +23,11 @@ from .preconditioner import (
 )
 
 __all__ = [
+    "REFERENCE_OPTIONS",
     "STRUCTURAL",
     "block_name",
     "check_float_params",
+    "check_group_keys",
     "factored_layout",
     "make_preconditioner",
     "normalize_group",
@@ -31,6 +35,48 @@ __all__ = [
 ]
 
 STRUCTURAL = ("max_preconditioner_dim", "preconditioner", "factor_dtype")
+
+_COMPAT = "secondorder.compat.distributed_shampoo.DistributedShampoo takes it unchanged"
+
+#: DistributedShampoo's options that so.Shampoo does not take, each with what to do.
+REFERENCE_OPTIONS = {
+    "preconditioner_config": (
+        "pass preconditioner='root_inverse' (Shampoo) or 'eigenvalue_corrected' (SOAP) with "
+        f"root_inv_config=EigenConfig(...) and factor_dtype=...; {_COMPAT}."
+    ),
+    "iterate_averaging_config": (
+        "pass ClassicMomentumConfig's fields as momentum=, dampening=, use_nesterov=; "
+        "averaged iterates (Schedule-Free, primal averaging) are not implemented."
+    ),
+    "weight_decay_type": (
+        "pass use_decoupled_weight_decay=True (WeightDecayType.DECOUPLED) or False (L2)."
+    ),
+    "beta3": "the gradient filter is betas[0]; a separate beta3 is not implemented.",
+    "use_pin_memory": "drop it (no effect here).",
+    "shampoo_pt2_compile_config": "drop it: the step runs eagerly.",
+    "shampoo_runtime_config": "drop it: every gradient is checked for NaN and Inf anyway.",
+    "concurrency_config": "drop it (no effect here).",
+    "precision_config": "pass factor_dtype=...",
+    "preconditioner_dtype": "pass factor_dtype=...",
+    "use_protected_eigh": "pass root_inv_config=EigenConfig(retry_double_precision=...).",
+    "track_root_inv_residuals": "it is not supported; drop it.",
+}
+
+
+def check_group_keys(group: dict[str, Any], valid: Iterable[str]) -> None:
+    """Refuse a group key that is DistributedShampoo's unsupported option or a typo.
+
+    Other keys pass, as ``torch.optim`` lets them (a group's ``"name"``, a scheduler's
+    ``"initial_lr"``): only a near miss of a hyperparameter is taken for a typo.
+    """
+    valid = set(valid) | {"params", "param_names"}
+    for key in group:
+        if key in valid:
+            continue
+        if key in REFERENCE_OPTIONS or difflib.get_close_matches(key, valid, n=1, cutoff=0.8):
+            raise unknown_keyword_error(
+                "so.Shampoo parameter group", key, valid, REFERENCE_OPTIONS, "DistributedShampoo"
+            )
 
 
 def structure(group: dict[str, Any]) -> tuple[Any, ...]:
@@ -94,22 +140,22 @@ def make_preconditioner(
 
 
 def factored_layout(
-    group: dict[str, Any], shape: tuple[int, ...], index: int, saved: dict[str, Any]
+    group: dict[str, Any], shape: tuple[int, ...], entry: str, saved: dict[str, Any]
 ) -> tuple[bool, ...]:
     """Which factors keep their root as ``D`` (root ``DᵀD``): see ``preconditioner``.
 
     Factored when ``precondition_frequency · m < d`` (``m`` = block size / ``d``) and
     the roots come from eigh.  A saved state's layout (``saved``, the state of the
-    batch's first parameter; ``index``, its first block's) wins, so a state dict loads
+    batch's first parameter; ``entry``, its first block's prefix) wins, so a state dict loads
     whatever the frequency is now; the layout never changes the math.
     """
     if group["preconditioner"] != "root_inverse":
         return tuple(False for _ in shape)
     out = []
     for k, d in enumerate(shape):
-        if f"block{index}.root_factor{k}" in saved:
+        if f"{entry}.root_factor{k}" in saved:
             out.append(True)
-        elif f"block{index}.root{k}" in saved:
+        elif f"{entry}.root{k}" in saved:
             out.append(False)
         else:
             m = math.prod(shape) // d

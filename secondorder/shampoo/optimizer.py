@@ -9,14 +9,15 @@ holds only the order of the stages and torch's optimizer contract.
 from __future__ import annotations
 
 import functools
-import math
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..distributed import Reducer, resolve_reducer
+from .._keywords import check_keywords
+from ..distributed import LocalReducer, Reducer, resolve_reducer
 from .agreement import agree_refusal, check_tallies, step_tally
 from .blocks import (
     Batch,
@@ -37,15 +38,27 @@ from .config import (
     factor_dtype,
     validate_group,
 )
-from .distributor import exchange
+from .distributor import (
+    check_distributed_config,
+    check_distributed_params,
+    make_distributor,
+)
 from .groups import (
+    REFERENCE_OPTIONS,
     STRUCTURAL,
     block_name,
     check_float_params,
+    check_group_keys,
     factored_layout,
     make_preconditioner,
     normalize_group,
     structure,
+)
+from .named_configs import (
+    DDPDistributedConfig,
+    DistributedConfig,
+    PreconditionerConfig,
+    SingleDeviceDistributedConfig,
 )
 from .preconditioner import Preconditioner
 from .state import (
@@ -159,7 +172,7 @@ class Shampoo(torch.optim.Optimizer):
         precondition_frequency: int = 1,
         start_preconditioning_step: int | None = None,
         use_bias_correction: bool = True,
-        grafting_config: GraftingConfig | None = None,
+        grafting_config: GraftingConfig | PreconditionerConfig | None = None,
         preconditioner: str = "root_inverse",
         root_inv_config: RootInvConfig | None = None,
         factor_dtype: torch.dtype | None = None,
@@ -168,7 +181,20 @@ class Shampoo(torch.optim.Optimizer):
         reducer: Reducer | None = None,
         process_group: Any = None,
         communication_dtype: torch.dtype | None = None,
+        distributed_config: DistributedConfig | None = None,
+        **unknown: Any,
     ) -> None:
+        check_keywords("so.Shampoo", unknown, KEYWORDS, REFERENCE_OPTIONS, "DistributedShampoo")
+        check_distributed_config(distributed_config)
+        if isinstance(distributed_config, SingleDeviceDistributedConfig):
+            if reducer is not None or process_group is not None:
+                raise ValueError(
+                    "distributed_config=SingleDeviceDistributedConfig() steps every block on "
+                    "every rank: pass no reducer and no process_group with it."
+                )
+            reducer = LocalReducer()
+        if communication_dtype is None and isinstance(distributed_config, DDPDistributedConfig):
+            communication_dtype = distributed_config.communication_dtype
         if communication_dtype not in COMMUNICATION_DTYPES:
             raise ValueError(
                 f"Invalid communication_dtype={communication_dtype!r}: must be None (the "
@@ -203,9 +229,12 @@ class Shampoo(torch.optim.Optimizer):
         self._blocks: list[Block] = []
         self._structures: list[tuple[Any, ...]] = []
         self._wire_dtype = torch.float32
+        self._distributed_config = distributed_config
+        self._sharded: bool | None = None  # whether the parameters are DTensors
         super().__init__(params, defaults)
         self.reducer = resolve_reducer(reducer, process_group)
         self.communication_dtype = communication_dtype
+        self._distributor = make_distributor(self._sharded, self.reducer)
 
     # -- configuration -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:  # noqa: D102
@@ -217,11 +246,14 @@ class Shampoo(torch.optim.Optimizer):
         elif not isinstance(params, set):  # torch names the set error itself
             params = list(params)  # a generator is read once, here
             param_group["params"] = params
+        check_group_keys(param_group, self.defaults)
         probe = {**self.defaults, **param_group}
         self._normalize(probe)
         validate_group(probe)
         check_float_params(params)
+        sharded = check_distributed_params(params, self._distributed_config, self._sharded)
         super().add_param_group(param_group)
+        self._sharded = sharded
         self._normalize(self.param_groups[-1])
         self._built = False
 
@@ -240,7 +272,7 @@ class Shampoo(torch.optim.Optimizer):
     def _factored(self, group: dict[str, Any], batch: Batch) -> tuple[bool, ...]:
         """Which factors keep their root as ``D`` (see :func:`.groups.factored_layout`)."""
         saved = self.state.get(batch.blocks[0].param, {})
-        return factored_layout(group, batch.shape, batch.blocks[0].spec.index, saved)
+        return factored_layout(group, batch.shape, batch.blocks[0].entry, saved)
 
     # -- building the blocks and the stacked state ----------------------------------------
     def _device(self) -> torch.device:
@@ -258,9 +290,9 @@ class Shampoo(torch.optim.Optimizer):
         settings: dict[str, Any] = {}
         if error is None:
             try:
-                blocks = cut_blocks(self.param_groups, self.reducer.world_size)
+                blocks = cut_blocks(self.param_groups, self._distributor)
                 settings = {
-                    "blocks": [(b.group_index, b.param_index, b.spec.shape) for b in blocks],
+                    "params": [[tuple(p.shape) for p in g["params"]] for g in self.param_groups],
                     "param_groups": [
                         {k: repr(v) for k, v in g.items() if k not in ("params", "lr")}
                         for g in self.param_groups
@@ -389,9 +421,9 @@ class Shampoo(torch.optim.Optimizer):
     ) -> list[tuple[Tensor, Tensor]]:
         """``(parameter, W − lr·P)`` pairs, after the ranks exchanged and agreed.
 
-        With several ranks, every rank sends its directions and its tally (failure
-        flag and settings, :mod:`.agreement`) in one all-gather, and raises alike
-        unless none failed and all agree.
+        With several ranks, every rank sends its tally (failure flag and settings,
+        :mod:`.agreement`) and, data-parallel, its directions in one all-gather, and
+        raises alike unless none failed and all agree.
         """
         directions = {gid: d for u in updates for gid, d in u.directions.items()}
         active = [b for b in self._blocks if b.param.grad is not None]
@@ -406,15 +438,9 @@ class Shampoo(torch.optim.Optimizer):
                 if error is not None
                 else [directions[b.gid] for b in active if b.owner == self.reducer.rank]
             )
-            parts = exchange(self.reducer, tally, mine, self._wire_dtype)
+            parts = self._distributor.share(tally, mine, self._wire_dtype)
             check_tallies([t for t, _ in parts], self.param_groups, error, self.reducer)
-            offsets = [0] * self.reducer.world_size
-            for b in active:
-                n = math.prod(b.spec.shape)
-                flat = parts[b.owner][1]
-                chunk = flat[offsets[b.owner] : offsets[b.owner] + n]
-                offsets[b.owner] += n
-                directions[b.gid] = chunk.view(b.spec.shape).to(b.param.dtype)
+            directions.update(self._distributor.received(parts, active))
         lrs = [float(g["lr"]) for g in self.param_groups]
         return new_parameter_values(active, directions, lrs)
 
@@ -451,7 +477,7 @@ class Shampoo(torch.optim.Optimizer):
             error: BaseException | None = None
             try:
                 check_saved_layout(state_dict, self._hyperparameters)
-                check_saved_rank(state_dict, self.reducer)
+                check_saved_rank(state_dict, self.reducer, self._sharded is True)
                 saved_groups = state_dict["param_groups"]
                 groups = validated_groups(saved_groups)
                 # Torch's loader would cast floating state to the parameter's dtype, so
@@ -477,3 +503,9 @@ class Shampoo(torch.optim.Optimizer):
                 self._wire_dtype,
             ) = previous
             raise
+
+
+#: The keywords :class:`Shampoo` takes (an unknown one is named with the nearest).
+KEYWORDS = tuple(
+    k for k in inspect.signature(Shampoo.__init__).parameters if k not in ("self", "unknown")
+)

@@ -61,8 +61,15 @@ def check_saved_layout(state_dict: Any, defaults: Sequence[str]) -> None:
             )
 
 
-def check_saved_rank(state_dict: dict[str, Any], reducer: Reducer) -> None:
-    """Refuse a state dict saved by another rank or world size (pre-metadata: rank 0 of 1)."""
+def check_saved_rank(state_dict: dict[str, Any], reducer: Reducer, sharded: bool = False) -> None:
+    """Refuse a state dict saved by another rank or world size (pre-metadata: rank 0 of 1).
+
+    ``sharded`` (DTensor parameters): a state dict without the record passes, as
+    ``torch.distributed.checkpoint`` keeps only ``state`` and ``param_groups``; its block
+    entries are named by rank (``rank{r}.block{i}``) and checked when bound.
+    """
+    if sharded and "shampoo" not in state_dict:
+        return
     meta = state_dict.get("shampoo", {"rank": 0, "world_size": 1})
     here = {"rank": reducer.rank, "world_size": reducer.world_size}
     if meta != here:
@@ -174,7 +181,7 @@ def check_entry(entry: str, name: str, saved: Tensor, buf: Tensor) -> None:
         raise ValueError(
             f"{where} holds NaN or Inf: the checkpoint is corrupt; nothing was loaded."
         )
-    key = entry.split(".", 1)[1]
+    key = entry.rsplit(".", 1)[1]
     if key.startswith("factor"):
         values, what = saved.diagonal(), "a diagonal entry below 0 (a factor is a sum of GGᵀ)"
     elif key in _NON_NEGATIVE:

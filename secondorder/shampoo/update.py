@@ -159,9 +159,9 @@ def new_parameter_values(
     """
     fresh: dict[int, tuple[Tensor, Tensor]] = {}
     for b in blocks:
-        key = id(b.param)
+        key = id(b.data)
         if key not in fresh:
-            fresh[key] = (b.param, b.param.detach().clone(memory_format=torch.contiguous_format))
+            fresh[key] = (b.data, b.data.detach().clone(memory_format=torch.contiguous_format))
         b.view(fresh[key][1]).add_(directions[b.gid], alpha=-lrs[b.group_index])
     return list(fresh.values())
 

@@ -126,12 +126,13 @@ def build(**kwargs):
         ),
         (
             {"distributed_config": ds.FullyShardDistributedConfig()},
-            r"FullyShardDistributedConfig\(\.\.\.\).*FSDP and HSDP distributors are not "
-            r"implemented yet.*DDPDistributedConfig",
+            r"FullyShardDistributedConfig\(\.\.\.\): the parameters are not DTensors; shard "
+            r"the model with torch\.distributed\.fsdp\.fully_shard first",
         ),
         (
             {"distributed_config": ds.FSDPDistributedConfig(param_to_metadata={})},
-            r"FSDPDistributedConfig",
+            r"FSDPDistributedConfig\(\.\.\.\): the FullyShardedDataParallel \(FSDP1\) "
+            r"distributors are not supported",
         ),
         (
             {
@@ -184,7 +185,7 @@ def build(**kwargs):
         ),
         (
             {
-                "grafting_config": ds.RMSpropPreconditionerConfig(
+                "preconditioner_config": ds.RootInvShampooPreconditionerConfig(
                     drop_weighting_factor_on_gsquare=True
                 )
             },

@@ -10,26 +10,30 @@ DistributedShampoo                     secondorder.Shampoo
 ``EigendecomposedShampoo...Config``     ``root_inv_config=EigenConfig(...)`` or
                                         ``CoupledNewtonConfig(...)``, ``factor_dtype``
 ``EigenvalueCorrectedShampoo...Config`` ``preconditioner="eigenvalue_corrected"`` (eigh)
-``SGD/AdaGrad/RMSprop/Adam...Config``   ``grafting_config=...GraftingConfig``; as
-                                        ``preconditioner_config``: that method alone
+``SGD/AdaGrad/RMSprop/Adam...Config``   ``grafting_config=`` the same config (taken
+                                        natively); as ``preconditioner_config``: that
+                                        method alone
 ``ClassicMomentumConfig``               ``momentum``, ``dampening``, ``use_nesterov``
 ``WeightDecayType.L2 / DECOUPLED``      ``use_decoupled_weight_decay=False / True``
 ``start_preconditioning_step=-1``       ``None``
 ``SingleDeviceDistributedConfig``       one process's optimizer on every rank
 ``DDPDistributedConfig``                the blocks shared among the default group's
                                         ranks, ``communication_dtype``
+``FullyShardDistributedConfig``,        the same config (taken natively): each rank
+``HybridShardDistributedConfig``        steps the blocks of its ``fully_shard`` shards
 =====================================  ==================================================
 
 Options secondorder does not implement are refused when the optimizer is built, with
 the option and the nearest supported choice named: KL-Shampoo, spectral and sign
-descent, QR eigenbases, generalized primal averaging and Schedule-Free, the FSDP/HSDP
-distributors (for now), ``beta3`` other than ``betas[0]``, the CORRECTED and
-INDEPENDENT weight decays, trace scaling, per-order exponent overrides, ignored basis
-dimensions, dropping the ``1 − β₂`` weight, and different dtypes for a factor and its
-root.  ``use_pin_memory``, ``use_symmetric_packing``, ``communicate_params``,
-``num_trainers_per_group``, ``load_balancing_config`` and the run-time and concurrency
-configs are accepted and change nothing numerical.  The state dict is
-:class:`~secondorder.shampoo.Shampoo`'s (torch.optim's layout), not DistributedShampoo's.
+descent, QR eigenbases, generalized primal averaging and Schedule-Free, the FSDP1
+(``FullyShardedDataParallel``) distributors, ``beta3`` other than ``betas[0]``, the
+CORRECTED and INDEPENDENT weight decays, trace scaling, per-order exponent overrides,
+ignored basis dimensions, dropping the ``1 − β₂`` weight of the Kronecker factors, and
+different dtypes for a factor and its root.  ``use_pin_memory``,
+``use_symmetric_packing``, ``communicate_params``, ``num_trainers_per_group``,
+``load_balancing_config`` and the run-time and concurrency configs are accepted and
+change nothing numerical.  The state dict is :class:`~secondorder.shampoo.Shampoo`'s
+(torch.optim's layout), not DistributedShampoo's.
 """
 
 from __future__ import annotations
@@ -40,17 +44,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..._keywords import check_keywords
-from ...distributed import LocalReducer
-from ...shampoo import (
-    AdaGradGraftingConfig,
-    AdamGraftingConfig,
-    RMSpropGraftingConfig,
-    SGDGraftingConfig,
-    Shampoo,
-)
 from ...shampoo import CoupledNewtonConfig as NativeCoupledNewton
 from ...shampoo import EigenConfig as NativeEigen
-from ...shampoo.config import GraftingConfig
+from ...shampoo import Shampoo
+from ...shampoo.distributor import check_distributed_config
 from .preconditioner.matrix_functions_types import (
     CoupledHigherOrderConfig,
     CoupledNewtonConfig,
@@ -61,10 +58,8 @@ from .preconditioner.matrix_functions_types import (
 )
 from .shampoo_types import (
     AdaGradPreconditionerConfig,
-    AdamPreconditionerConfig,
     ClassicMomentumConfig,
     ConcurrencyConfig,
-    DDPDistributedConfig,
     DefaultConcurrencyConfig,
     DefaultShampooConfig,
     DefaultShampooRuntimeConfig,
@@ -73,12 +68,9 @@ from .shampoo_types import (
     EigendecomposedKLShampooPreconditionerConfig,
     EigendecomposedShampooPreconditionerConfig,
     EigenvalueCorrectedShampooPreconditionerConfig,
-    FSDPDistributedConfig,
-    FullyShardDistributedConfig,
     GeneralizedPrimalAveragingConfig,
     IterateAveragingConfig,
     PreconditionerConfig,
-    RMSpropPreconditionerConfig,
     RootInvKLShampooPreconditionerConfig,
     RootInvShampooPreconditionerConfig,
     ScheduleFreeConfig,
@@ -86,7 +78,6 @@ from .shampoo_types import (
     ShampooPT2CompileConfig,
     ShampooRuntimeConfig,
     SignDescentPreconditionerConfig,
-    SingleDeviceDistributedConfig,
     SpectralDescentPreconditionerConfig,
     WeightDecayType,
 )
@@ -159,35 +150,10 @@ def _refuse(option: str, value: Any, nearest: str, why: str = "") -> ValueError:
     )
 
 
-def _grafting(option: str, cfg: Any) -> GraftingConfig | None:
-    """A diagonal method's config as so.Shampoo's grafting config."""
-    if cfg is None:
-        return None
-    if isinstance(cfg, RMSpropPreconditionerConfig):  # Adam is an RMSprop config too
-        if cfg.drop_weighting_factor_on_gsquare:
-            raise _refuse(
-                f"{option}.drop_weighting_factor_on_gsquare",
-                True,
-                "False",
-                "the second moment is always a weighted average",
-            )
-        if cfg.beta2 == 1.0:
-            raise _refuse(
-                f"{option}.beta2",
-                1.0,
-                "AdaGradPreconditionerConfig(epsilon=...)",
-                "with weight 1 − β₂ = 0 the second moment stays 0",
-            )
-        cls = (
-            AdamGraftingConfig
-            if isinstance(cfg, AdamPreconditionerConfig)
-            else RMSpropGraftingConfig
-        )
-        return cls(beta2=cfg.beta2, epsilon=cfg.epsilon)
-    if isinstance(cfg, AdaGradPreconditionerConfig):
-        return AdaGradGraftingConfig(epsilon=cfg.epsilon)
-    if isinstance(cfg, SGDPreconditionerConfig):
-        return SGDGraftingConfig()
+def _grafting(option: str, cfg: Any) -> PreconditionerConfig | None:
+    """A diagonal method's config: so.Shampoo takes DistributedShampoo's own."""
+    if cfg is None or isinstance(cfg, (SGDPreconditionerConfig, AdaGradPreconditionerConfig)):
+        return cfg
     raise _refuse(option, cfg, "AdamPreconditionerConfig(...) or SGDPreconditionerConfig()")
 
 
@@ -328,24 +294,8 @@ def _momentum(cfg: Any) -> dict[str, Any]:
 
 
 def check_distributed(cfg: Any) -> None:
-    """Refuse a distributed_config secondorder cannot run."""
-    if isinstance(cfg, (FSDPDistributedConfig, FullyShardDistributedConfig)):
-        raise _refuse(
-            "distributed_config",
-            cfg,
-            "DDPDistributedConfig() with the model in DistributedDataParallel",
-            "the FSDP and HSDP distributors are not implemented yet",
-        )
-    if not isinstance(cfg, (SingleDeviceDistributedConfig, DDPDistributedConfig)):
-        raise _refuse(
-            "distributed_config", cfg, "SingleDeviceDistributedConfig() or DDPDistributedConfig()"
-        )
-    if cfg.target_parameter_dimensionality != 1:
-        raise _refuse(
-            "distributed_config.target_parameter_dimensionality",
-            cfg.target_parameter_dimensionality,
-            "1 (merge dimensions as far as max_preconditioner_dim allows)",
-        )
+    """Refuse a distributed_config secondorder cannot run (so.Shampoo's own check)."""
+    check_distributed_config(cfg)
 
 
 def translate(options: dict[str, Any]) -> dict[str, Any]:
@@ -457,13 +407,7 @@ class DistributedShampoo(Shampoo):
             "preconditioner_config": preconditioner_config,
         }  # fmt: skip
         native = translate(self._reference_defaults)
-        ddp = distributed_config if isinstance(distributed_config, DDPDistributedConfig) else None
-        super().__init__(
-            params,
-            **native,
-            reducer=None if ddp else LocalReducer(),
-            communication_dtype=ddp.communication_dtype if ddp else None,
-        )
+        super().__init__(params, **native, distributed_config=distributed_config)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group given by DistributedShampoo's option names (checked before it is added)."""

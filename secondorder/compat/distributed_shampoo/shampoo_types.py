@@ -1,6 +1,8 @@
 """DistributedShampoo's configuration dataclasses, with its names, fields and defaults.
 
-Mirrors ``distributed_shampoo.shampoo_types`` so that imports keep working.  Each
+Mirrors ``distributed_shampoo.shampoo_types`` so that imports keep working; the
+diagonal-method and distributed configs, which ``so.Shampoo`` takes natively, are
+defined in :mod:`secondorder.shampoo.named_configs` and re-exported here.  Each
 dataclass checks its own fields when built; :class:`~secondorder.compat.
 distributed_shampoo.DistributedShampoo` maps the supported ones onto
 :class:`secondorder.Shampoo` and refuses the rest at construction, naming the option
@@ -16,7 +18,30 @@ from typing import Any
 
 import torch
 
-from ._base import Abstract, check_bool, check_in, check_int
+from ...shampoo.named_configs import (
+    FLOAT_DTYPES,
+    Abstract,
+    AdaGradPreconditionerConfig,
+    AdamPreconditionerConfig,
+    DDPDistributedConfig,
+    DefaultSingleDeviceDistributedConfig,
+    DistributedConfig,
+    FSDPDistributedConfig,
+    FSDPParamAssignmentStrategy,
+    FSDPParameterMetadata,
+    FullyShardDistributedConfig,
+    HSDPDistributedConfig,
+    HybridShardDistributedConfig,
+    LoadBalancingConfig,
+    PreconditionerConfig,
+    RMSpropPreconditionerConfig,
+    SGDPreconditionerConfig,
+    SingleDeviceDistributedConfig,
+    check_bool,
+    check_dtype,
+    check_in,
+    check_int,
+)
 from .preconditioner.matrix_functions_types import (
     DefaultEigenConfig,
     DefaultEigendecompositionConfig,
@@ -29,6 +54,7 @@ from .preconditioner.matrix_functions_types import (
 )
 
 __all__ = [
+    "FLOAT_DTYPES",
     "AdaGradPreconditionerConfig",
     "AdamPreconditionerConfig",
     "BaseShampooPreconditionerConfig",
@@ -72,59 +98,9 @@ __all__ = [
     "WeightDecayType",
 ]
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 class PreconditionerValueError(ValueError):
     """A value met while computing a preconditioner is invalid."""
-
-
-def _check_dtype(name: str, value: Any) -> None:
-    if value not in FLOAT_DTYPES:
-        raise ValueError(f"Invalid {name}={value!r}: must be a floating torch.dtype.")
-
-
-# -- the preconditioners ----------------------------------------------------------------------
-class PreconditionerConfig(Abstract):
-    """Base of everything ``preconditioner_config`` and ``grafting_config`` take."""
-
-
-@dataclass
-class SGDPreconditionerConfig(PreconditionerConfig):
-    """The (filtered) gradient itself."""
-
-
-@dataclass(kw_only=True)
-class AdaGradPreconditionerConfig(PreconditionerConfig):
-    """AdaGrad: ``m / (sqrt(Σ g²) + epsilon)``."""
-
-    epsilon: float = 1e-10
-
-    def __post_init__(self) -> None:
-        check_in(f"{type(self).__name__}.epsilon", self.epsilon, 0.0, low_open=True)
-
-
-@dataclass(kw_only=True)
-class RMSpropPreconditionerConfig(AdaGradPreconditionerConfig):
-    """RMSprop: ``v ← β₂v + (1−β₂)g²``; ``drop_weighting_factor_on_gsquare`` drops ``1−β₂``."""
-
-    beta2: float = 0.99
-    drop_weighting_factor_on_gsquare: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_in(f"{type(self).__name__}.beta2", self.beta2, 0.0, 1.0, low_open=True)
-        check_bool(
-            f"{type(self).__name__}.drop_weighting_factor_on_gsquare",
-            self.drop_weighting_factor_on_gsquare,
-        )
-
-
-@dataclass(kw_only=True)
-class AdamPreconditionerConfig(RMSpropPreconditionerConfig):
-    """Adam: RMSprop's second moment with bias correction (β₁ is ``betas[0]``)."""
-
-    beta2: float = 0.999
 
 
 class BaseShampooPreconditionerConfig(PreconditionerConfig):
@@ -139,7 +115,7 @@ def _check_shampoo_fields(self: Any) -> None:
             " must be a matrix-function config such as EigenConfig()."
         )
     check_bool(f"{name}.drop_weighting_factor_on_gsquare", self.drop_weighting_factor_on_gsquare)
-    _check_dtype(f"{name}.factor_matrix_dtype", self.factor_matrix_dtype)
+    check_dtype(f"{name}.factor_matrix_dtype", self.factor_matrix_dtype)
     check_int(
         f"{name}.num_tolerated_failed_amortized_computations",
         self.num_tolerated_failed_amortized_computations,
@@ -178,7 +154,7 @@ class RootInvShampooPreconditionerConfig(ClassicShampooPreconditionerConfig):
 
     def __post_init__(self) -> None:
         _check_shampoo_fields(self)
-        _check_dtype(f"{type(self).__name__}.inv_factor_matrix_dtype", self.inv_factor_matrix_dtype)
+        check_dtype(f"{type(self).__name__}.inv_factor_matrix_dtype", self.inv_factor_matrix_dtype)
 
 
 DefaultShampooConfig = RootInvShampooPreconditionerConfig()
@@ -204,7 +180,7 @@ class EigendecomposedShampooPreconditionerConfig(ClassicShampooPreconditionerCon
     def __post_init__(self) -> None:
         _check_shampoo_fields(self)
         for f in ("factor_matrix_eigenvectors_dtype", "factor_matrix_eigenvalues_dtype"):
-            _check_dtype(f"{type(self).__name__}.{f}", getattr(self, f))
+            check_dtype(f"{type(self).__name__}.{f}", getattr(self, f))
 
 
 @dataclass(kw_only=True)
@@ -228,7 +204,7 @@ class EigenvalueCorrectedShampooPreconditionerConfig(BaseShampooPreconditionerCo
     def __post_init__(self) -> None:
         _check_shampoo_fields(self)
         for f in ("factor_matrix_eigenvectors_dtype", "corrected_eigenvalues_dtype"):
-            _check_dtype(f"{type(self).__name__}.{f}", getattr(self, f))
+            check_dtype(f"{type(self).__name__}.{f}", getattr(self, f))
 
 
 DefaultEigenvalueCorrectedShampooConfig = EigenvalueCorrectedShampooPreconditionerConfig()
@@ -318,111 +294,6 @@ class WeightDecayType(enum.Enum):
     DECOUPLED = enum.auto()
     CORRECTED = enum.auto()
     INDEPENDENT = enum.auto()
-
-
-# -- distribution ---------------------------------------------------------------------------
-@dataclass
-class FSDPParameterMetadata:
-    """Where an FSDP shard lies in its parameter (for the FSDP distributor)."""
-
-    fqn: str
-    shape: torch.Size
-    numel: int
-    start_idx: int
-    end_idx: int
-    sharding_strategy: Any
-
-
-class FSDPParamAssignmentStrategy(enum.Enum):
-    """How FSDP2 parameters are assigned to ranks."""
-
-    DEFAULT = enum.auto()
-    REPLICATE = enum.auto()
-    ROUND_ROBIN = enum.auto()
-
-
-@dataclass(kw_only=True)
-class LoadBalancingConfig:
-    """How blocks are balanced across ranks (secondorder: longest processing time first)."""
-
-    cost_model: Any = None
-
-
-class DistributedConfig(Abstract):
-    """Base of ``distributed_config``."""
-
-
-def _check_target(self: Any) -> None:
-    t = self.target_parameter_dimensionality
-    if not (t == float("inf") or (isinstance(t, int) and not isinstance(t, bool) and t >= 1)):
-        raise ValueError(
-            f"Invalid {type(self).__name__}.target_parameter_dimensionality={t!r}: must be "
-            "an integer >= 1 or math.inf."
-        )
-
-
-@dataclass(kw_only=True)
-class SingleDeviceDistributedConfig(DistributedConfig):
-    """No parallelism: every rank computes every block."""
-
-    target_parameter_dimensionality: int | float = 1
-
-    def __post_init__(self) -> None:
-        _check_target(self)
-
-
-DefaultSingleDeviceDistributedConfig = SingleDeviceDistributedConfig()
-
-
-@dataclass(kw_only=True)
-class DDPDistributedConfig(DistributedConfig):
-    """Data parallelism: blocks shared among ranks, directions all-gathered."""
-
-    target_parameter_dimensionality: int | float = 1
-    communication_dtype: torch.dtype = torch.float32
-    num_trainers_per_group: int = -1
-    communicate_params: bool = False
-    load_balancing_config: LoadBalancingConfig = field(default_factory=LoadBalancingConfig)
-
-    def __post_init__(self) -> None:
-        _check_target(self)
-        _check_dtype(f"{type(self).__name__}.communication_dtype", self.communication_dtype)
-        n = self.num_trainers_per_group
-        if n != -1:
-            check_int(f"{type(self).__name__}.num_trainers_per_group", n, 1)
-        check_bool(f"{type(self).__name__}.communicate_params", self.communicate_params)
-
-
-@dataclass(kw_only=True)
-class FSDPDistributedConfig(DistributedConfig):
-    """FSDP (flat parameters): not supported by secondorder yet."""
-
-    target_parameter_dimensionality: int | float = 1
-    param_to_metadata: dict[Any, FSDPParameterMetadata]
-
-
-@dataclass(kw_only=True)
-class HSDPDistributedConfig(FSDPDistributedConfig, DDPDistributedConfig):
-    """Hybrid-sharded FSDP: not supported by secondorder yet."""
-
-    device_mesh: Any
-
-
-@dataclass(kw_only=True)
-class FullyShardDistributedConfig(DistributedConfig):
-    """FSDP2 (``fully_shard``): not supported by secondorder yet."""
-
-    target_parameter_dimensionality: int | float = 1
-    param_assignment_strategy: FSDPParamAssignmentStrategy = FSDPParamAssignmentStrategy.DEFAULT
-    num_sub_groups: int = 1
-    load_balancing_config: LoadBalancingConfig = field(default_factory=LoadBalancingConfig)
-
-
-@dataclass(kw_only=True)
-class HybridShardDistributedConfig(FullyShardDistributedConfig, DDPDistributedConfig):
-    """Hybrid-sharded FSDP2: not supported by secondorder yet."""
-
-    device_mesh: Any
 
 
 # -- run-time options -----------------------------------------------------------------------

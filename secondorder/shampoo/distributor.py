@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed import Reducer
+from ..distributed import LocalReducer, Reducer
 from .named_configs import (
     DDPDistributedConfig,
     DistributedConfig,
@@ -49,6 +49,7 @@ __all__ = [
     "is_sharded",
     "local_tensor",
     "make_distributor",
+    "resolve_distribution",
 ]
 
 
@@ -161,6 +162,28 @@ def check_distributed_config(config: Any) -> None:
             )
         if config.num_sub_groups != 1:
             raise ValueError(f"Invalid {name}.num_sub_groups={config.num_sub_groups!r}: must be 1.")
+
+
+def resolve_distribution(
+    config: Any, reducer: Reducer | None, process_group: Any, communication_dtype: Any
+) -> tuple[Reducer | None, Any]:
+    """Check ``config``; the reducer and communication dtype it implies.
+
+    ``SingleDeviceDistributedConfig()`` is a :class:`~secondorder.distributed.LocalReducer`
+    (every rank steps every block); ``DDPDistributedConfig`` lends its
+    ``communication_dtype`` unless one is given.
+    """
+    check_distributed_config(config)
+    if isinstance(config, SingleDeviceDistributedConfig):
+        if reducer is not None or process_group is not None:
+            raise ValueError(
+                "distributed_config=SingleDeviceDistributedConfig() steps every block on "
+                "every rank: pass no reducer and no process_group with it."
+            )
+        reducer = LocalReducer()
+    if communication_dtype is None and isinstance(config, DDPDistributedConfig):
+        communication_dtype = config.communication_dtype
+    return reducer, communication_dtype
 
 
 class Distributor:

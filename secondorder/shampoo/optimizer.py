@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .._keywords import check_keywords
-from ..distributed import LocalReducer, Reducer, resolve_reducer
+from ..distributed import Reducer, resolve_reducer
 from .agreement import agree_refusal, check_tallies, step_tally
 from .blocks import (
     Batch,
@@ -38,11 +38,7 @@ from .config import (
     factor_dtype,
     validate_group,
 )
-from .distributor import (
-    check_distributed_config,
-    check_distributed_params,
-    make_distributor,
-)
+from .distributor import check_distributed_params, make_distributor, resolve_distribution
 from .groups import (
     REFERENCE_OPTIONS,
     STRUCTURAL,
@@ -54,12 +50,7 @@ from .groups import (
     normalize_group,
     structure,
 )
-from .named_configs import (
-    DDPDistributedConfig,
-    DistributedConfig,
-    PreconditionerConfig,
-    SingleDeviceDistributedConfig,
-)
+from .named_configs import DistributedConfig, PreconditionerConfig
 from .preconditioner import Preconditioner
 from .state import (
     check_saved_layout,
@@ -155,6 +146,13 @@ class Shampoo(torch.optim.Optimizer):
         communication_dtype: dtype of the all-gathered directions; ``None`` is the
             parameter's dtype (bitwise equal to one process); ``torch.bfloat16`` halves
             the bytes.
+        distributed_config: DistributedShampoo's configs (:mod:`.named_configs`):
+            ``None`` picks from the parameters; ``fully_shard`` (DTensor) parameters get
+            each rank stepping the blocks of its own shards (cut inside the shard),
+            which equals one process on the same model held as its row shards.
+
+    DistributedShampoo's options it does not take (``preconditioner_config``, ...)
+    and near misses of its own are refused with the way out named.
     """
 
     def __init__(
@@ -185,16 +183,9 @@ class Shampoo(torch.optim.Optimizer):
         **unknown: Any,
     ) -> None:
         check_keywords("so.Shampoo", unknown, KEYWORDS, REFERENCE_OPTIONS, "DistributedShampoo")
-        check_distributed_config(distributed_config)
-        if isinstance(distributed_config, SingleDeviceDistributedConfig):
-            if reducer is not None or process_group is not None:
-                raise ValueError(
-                    "distributed_config=SingleDeviceDistributedConfig() steps every block on "
-                    "every rank: pass no reducer and no process_group with it."
-                )
-            reducer = LocalReducer()
-        if communication_dtype is None and isinstance(distributed_config, DDPDistributedConfig):
-            communication_dtype = distributed_config.communication_dtype
+        reducer, communication_dtype = resolve_distribution(
+            distributed_config, reducer, process_group, communication_dtype
+        )
         if communication_dtype not in COMMUNICATION_DTYPES:
             raise ValueError(
                 f"Invalid communication_dtype={communication_dtype!r}: must be None (the "

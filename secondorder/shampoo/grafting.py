@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from .config import (
@@ -41,6 +42,7 @@ __all__ = [
     "grafting_rule",
     "update_grafting",
     "update_grafting_out_of_place",
+    "updated_grafting",
 ]
 
 
@@ -83,6 +85,16 @@ def update_grafting(config: object, v: Tensor | None, g: Tensor) -> None:
     if rule.beta2 != 1.0:
         v.mul_(rule.beta2)
     v.addcmul_(g, g, value=rule.weight)
+
+
+def updated_grafting(config: object, v: Tensor, g: Tensor) -> Tensor:
+    """What :func:`update_grafting` would make of ``v``, as a new tensor; ``v`` is kept."""
+    rule = grafting_rule(config)
+    if rule is None:
+        return v
+    if rule.beta2 != 1.0:
+        return v.mul(rule.beta2).addcmul_(g, g, value=rule.weight)
+    return torch.addcmul(v, g, g, value=rule.weight)
 
 
 def update_grafting_out_of_place(config: object, v: Tensor, g2: Tensor) -> Tensor:

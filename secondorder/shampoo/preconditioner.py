@@ -122,12 +122,17 @@ class Preconditioner:
         return f"root_factor{k}" if self.is_factored(k) else f"{self.amortized_key}{k}"
 
     def update_factors(self, state: dict[str, Tensor], G: Tensor) -> None:
-        """``F_k ← β₂F_k + (1−β₂)G₍ₖ₎G₍ₖ₎ᵀ`` for every dimension, as one batched product each."""
+        """``F_k ← β₂F_k + (1−β₂)G₍ₖ₎G₍ₖ₎ᵀ`` for every dimension, as one batched product each.
+
+        Like every update here, it puts new tensors into ``state`` and changes none in
+        place (a step is a transaction, see :mod:`.update`).
+        """
         B = G.shape[0]
         alpha = 1.0 if self.beta2 == 1.0 else 1.0 - self.beta2
         for k, d in enumerate(self.shape):
             Gk = G.movedim(k + 1, 1).reshape(B, d, -1)
-            state[f"factor{k}"].baddbmm_(Gk, Gk.mT, beta=self.beta2, alpha=alpha)
+            F = state[f"factor{k}"]
+            state[f"factor{k}"] = torch.baddbmm(F, Gk, Gk.mT, beta=self.beta2, alpha=alpha)
 
     def amortize(self, state: dict[str, Tensor], step: int) -> list[tuple[int, int]]:
         """Refresh the amortized results; return the ``(block, factor)`` pairs that failed.
@@ -147,13 +152,11 @@ class Preconditioner:
                 )
             A = F / bc2 if bc2 != 1.0 else F
             result, failed = self._compute(A, k)
-            target = state[self.amortized_name(k)]
+            name = self.amortized_name(k)
             if bool(failed.any()):
-                keep = ~failed
-                target[keep] = result[keep]
+                result = torch.where(failed.view(-1, 1, 1), state[name], result)
                 failed_pairs.extend((int(b), k) for b in failed.nonzero().flatten().tolist())
-            else:
-                target.copy_(result)
+            state[name] = result
         return failed_pairs
 
     def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -240,9 +243,10 @@ class EigenvalueCorrectedPreconditioner(Preconditioner):
         rotated = mode_product(G, self._basis(state), transpose=True)
         E = state["corrected_eigenvalues"]
         if self.beta2 == 1.0:
-            E.addcmul_(rotated, rotated)
+            state["corrected_eigenvalues"] = torch.addcmul(E, rotated, rotated)
         else:
-            E.mul_(self.beta2).addcmul_(rotated, rotated, value=1.0 - self.beta2)
+            new = E.mul(self.beta2).addcmul_(rotated, rotated, value=1.0 - self.beta2)
+            state["corrected_eigenvalues"] = new
 
     def precondition(self, state: dict[str, Tensor], M: Tensor, step: int) -> Tensor:
         """Rotate ``M``, divide by ``sqrt(E) + ε`` where ``E`` is not rounding noise, rotate back.

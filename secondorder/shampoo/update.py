@@ -21,13 +21,10 @@ from torch import Tensor
 
 from .blocks import Batch, Block, Prepared
 from .config import resolved_start
-from .grafting import grafting_direction, update_grafting
+from .grafting import grafting_direction, updated_grafting
 from .preconditioner import Preconditioner
 
 __all__ = ["BatchUpdate", "commit", "compute_update", "refreshes_roots"]
-
-# Entries rewritten only when the roots (or eigenbases) are refreshed.
-_AMORTIZED = ("root", "root_factor", "eigenvectors")
 
 
 @dataclass
@@ -44,36 +41,27 @@ def refreshes_roots(group: dict[str, Any], t: int) -> bool:
     return (t % freq == 0 and t > start) or t == start
 
 
-def _working_state(batch: Batch, prep: Prepared, amortize: bool) -> dict[str, Tensor]:
-    """Copies of the entries this step writes; the others are read in place."""
-    if prep.index is not None:  # index_select already copied every entry
-        return dict(prep.state)
-    S = dict(prep.state)
-    for k, v in S.items():
-        if amortize or not k.startswith(_AMORTIZED):
-            S[k] = v.clone()
-    return S
-
-
 def compute_update(
     pre: Preconditioner, group: dict[str, Any], batch: Batch, prep: Prepared, t: int
 ) -> BatchUpdate:
     """The batch's new state and its blocks' directions ``P``; no state is changed."""
     blocks, G, W = prep.blocks, prep.G, prep.W
     amortize = refreshes_roots(group, t)
-    S = _working_state(batch, prep, amortize)
+    # Every stage puts new tensors into S and changes none of the old in place.
+    S = dict(prep.state)
     wd = float(group["weight_decay"])
     beta1 = float(group["betas"][0])
     grafting = group["grafting_config"]
     fdtype = S["factor0"].dtype
     Gf = G.to(fdtype)
     pre.update_factors(S, Gf)
-    update_grafting(grafting, S.get("grafting_state"), G)
+    if "grafting_state" in S:
+        S["grafting_state"] = updated_grafting(grafting, S["grafting_state"], G)
     if amortize:
         _amortize(pre, S, t, blocks, group)
     pre.after_amortize(S, Gf, t)
     if beta1 != 0.0:
-        S["filtered_grad"].lerp_(G, 1.0 - beta1)
+        S["filtered_grad"] = torch.lerp(S["filtered_grad"], G, 1.0 - beta1)
         M = S["filtered_grad"]
         if group["use_bias_correction"]:
             M = M / (1.0 - beta1**t)
@@ -91,18 +79,18 @@ def compute_update(
                 torch.linalg.vector_norm(P, dim=dims) + 1e-16
             )
             P = P * scale.view(-1, *([1] * len(dims)))
-    if P is M or P is G or P is S.get("filtered_grad"):
+    if P is M or P is G or P is S.get("filtered_grad") or P is prep.state.get("filtered_grad"):
         P = P.clone()
     if W is not None and group["use_decoupled_weight_decay"]:
         P.add_(W, alpha=wd)
     if "momentum_buffer" in S:
         mom, damp = float(group["momentum"]), float(group["dampening"])
-        buf = S["momentum_buffer"]
-        buf.mul_(mom).add_(P, alpha=1.0 - damp)
+        buf = S["momentum_buffer"].mul(mom).add_(P, alpha=1.0 - damp)
+        S["momentum_buffer"] = buf
         if group["use_nesterov"]:
             P.mul_(1.0 - damp).add_(buf, alpha=mom)
         else:
-            P = buf.clone()
+            P = buf  # not changed after: the commit copies it, the direction reads it
     P = P.to(blocks[0].param.dtype)  # a no-op unless the parameters are half precision
     update = BatchUpdate()
     for k, new in S.items():
@@ -121,11 +109,11 @@ def _amortize(
 ) -> None:
     """Refresh the roots in ``S``; count failures; raise past the tolerated number."""
     failed = pre.amortize(S, t)
-    counter = S["failed_amortized_computations"]
     failed_blocks = sorted({i for i, _ in failed})
-    mask = torch.zeros_like(counter, dtype=torch.bool)
-    mask[failed_blocks] = True
-    counter.add_(mask.to(counter.dtype)).mul_(mask.to(counter.dtype))
+    mask = torch.zeros_like(S["failed_amortized_computations"])
+    mask[failed_blocks] = 1
+    counter = (S["failed_amortized_computations"] + mask) * mask
+    S["failed_amortized_computations"] = counter
     tolerated = group["num_tolerated_failed_amortized_computations"]
     for i in failed_blocks:
         b = blocks[i]

@@ -19,6 +19,7 @@ from .config import state_dtype
 from .distributor import Distributor, block_cost, local_tensor
 from .grafting import grafting_has_state
 from .groups import block_name
+from .preconditioner import mode_product
 from .state import check_entry
 
 __all__ = [
@@ -129,14 +130,20 @@ def new_batch_state(
     """Add the zeroed elementwise buffers the group uses to the preconditioner's ``state``."""
     p0 = batch.blocks[0].param
     B = len(batch.blocks)
+    filtered = group["betas"][0] != 0.0
     elementwise = (
-        ("filtered_grad", group["betas"][0] != 0.0),
-        ("grafting_state", grafting_has_state(group["grafting_config"])),
-        ("momentum_buffer", group["momentum"] != 0.0),
+        ("filtered_grad", filtered, state_dtype(p0.dtype)),
+        ("grafting_state", grafting_has_state(group["grafting_config"]), state_dtype(p0.dtype)),
+        ("momentum_buffer", group["momentum"] != 0.0, state_dtype(p0.dtype)),
+        # SOAP: the filtered gradient in the eigenbasis too (see .update)
+        (
+            "filtered_grad_eigenbasis",
+            filtered and group["preconditioner"] == "eigenvalue_corrected",
+            state["factor0"].dtype,
+        ),
     )
-    for name, wanted in elementwise:
+    for name, wanted, dtype in elementwise:
         if wanted:
-            dtype = state_dtype(p0.dtype)
             state[name] = torch.zeros(B, *batch.shape, dtype=dtype, device=p0.device)
     return state
 
@@ -151,12 +158,15 @@ def bind_batch_state(batch: Batch, opt_state: Any, required: bool = False) -> No
     """
     for i, b in enumerate(batch.blocks):
         pstate = opt_state[b.param]
+        derive = False
         for state_key, buf in batch.state.items():
             entry = f"{b.entry}.{state_key}"
             if entry in pstate:
                 saved = pstate[entry]
                 check_entry(entry, b.name, saved, buf[i])
                 buf[i].copy_(saved)
+            elif state_key == "filtered_grad_eigenbasis":
+                derive = True  # saved before it was kept: rotated from what was saved
             elif required:
                 raise ValueError(
                     f"the saved state lacks {entry!r} of {b.name}, which this optimizer "
@@ -164,6 +174,18 @@ def bind_batch_state(batch: Batch, opt_state: Any, required: bool = False) -> No
                     "(preconditioner, betas, momentum, grafting_config); nothing was loaded."
                 )
             pstate[entry] = buf[i]
+        if derive:
+            S = batch.state
+            basis = [S[f"eigenvectors{k}"][i : i + 1] for k in range(len(batch.shape))]
+            X = S["filtered_grad"][i : i + 1].to(S["filtered_grad_eigenbasis"].dtype)
+            S["filtered_grad_eigenbasis"][i] = mode_product(X, basis, transpose=True)[0]
+
+
+def _stacked(parts: list[Tensor], dtype: torch.dtype, copy: bool = False) -> Tensor:
+    """``parts`` stacked along a new first dimension, in ``dtype``; a view if it can be."""
+    if len(parts) == 1 and not copy:
+        return parts[0].unsqueeze(0).to(dtype)
+    return torch.stack(parts).to(dtype)
 
 
 def prepare_batch(group: dict[str, Any], batch: Batch) -> Prepared | None:
@@ -180,9 +202,12 @@ def prepare_batch(group: dict[str, Any], batch: Batch) -> Prepared | None:
     blocks = [batch.blocks[i] for i in active]
     # Half-precision parameters step in float32 (see config.state_dtype).
     dtype = state_dtype(blocks[0].param.dtype)
-    G = torch.stack([b.view(cast(Tensor, b.grad())) for b in blocks]).to(dtype)
     wd = float(group["weight_decay"])
-    W = torch.stack([b.view(b.data) for b in blocks]).to(dtype) if wd != 0.0 else None
-    if W is not None and not group["use_decoupled_weight_decay"]:
+    l2 = wd != 0.0 and not group["use_decoupled_weight_decay"]
+    # One block: a view of its gradient (nothing below writes into G) unless L2 decay is
+    # added to it; several: stacked, which copies.
+    G = _stacked([b.view(cast(Tensor, b.grad())) for b in blocks], dtype, copy=l2)
+    W = _stacked([b.view(b.data) for b in blocks], dtype) if wd != 0.0 else None
+    if W is not None and l2:
         G.add_(W, alpha=wd)
     return Prepared(blocks, index, S, G, W)

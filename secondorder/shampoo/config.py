@@ -144,10 +144,10 @@ class EigenConfig(RootInvConfig):
     ``n · machine epsilon``) as zero and gives them a zero inverse root instead of
     adding ``epsilon``: for factors that are rank deficient by construction (fewer
     samples than the dimension); it requires ``epsilon=0.0``.  For the
-    eigenvalue-corrected preconditioner (SOAP), ``rank_rtol`` is the level of the
-    second moment ``E ≤ rank_rtol · max E`` below which a coordinate counts as the
-    factors' null space and gets a zero direction (default: the block's largest
-    dimension times machine epsilon).
+    eigenvalue-corrected preconditioner (SOAP), a coordinate whose second moment is
+    ``E ≤ rank_rtol² · ΣE`` (the rounding level of the rotated gradient; ``ΣE`` over
+    the block) counts as the factors' null space and gets a zero direction (default:
+    the block's largest dimension times machine epsilon).
     """
 
     retry_double_precision: bool = True

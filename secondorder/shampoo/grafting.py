@@ -112,5 +112,5 @@ def grafting_direction(config: object, v: Tensor | None, m: Tensor, step: int) -
         return m
     denom = v.sqrt()
     if rule.bias_correction and rule.beta2 < 1.0:
-        denom = denom / (1.0 - rule.beta2**step) ** 0.5
+        denom.div_((1.0 - rule.beta2**step) ** 0.5)
     return m / denom.add_(rule.epsilon)

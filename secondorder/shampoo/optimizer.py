@@ -113,7 +113,7 @@ class Shampoo(torch.optim.Optimizer):
         epsilon: added to the factors' diagonal before the root (must be 0 with
             ``EigenConfig(pseudo_inverse=True)``); for the eigenvalue-corrected
             variant, added to ``sqrt(E)`` as in Adam, where a coordinate whose ``E``
-            is at rounding level (``≤ rank_rtol · max E``, default the block's largest
+            is at rounding level (``≤ rank_rtol² · ΣE``, default the block's largest
             dimension times machine epsilon) is the factors' null space and gets a
             zero direction instead of noise over ``epsilon``.
         momentum, dampening, use_nesterov: momentum ``μ`` on the final direction,

@@ -162,11 +162,25 @@ class Preconditioner:
     def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
-    def after_amortize(self, state: dict[str, Tensor], G: Tensor, step: int) -> None:
-        """Update state that needs the current amortized results (none for Shampoo)."""
+    def after_amortize(self, state: dict[str, Tensor], G: Tensor, step: int) -> Tensor | None:
+        """Update state that needs the current amortized results (none for Shampoo).
 
-    def precondition(self, state: dict[str, Tensor], M: Tensor, step: int) -> Tensor:
-        """The preconditioned direction for the filtered gradient stack ``M``."""
+        Returns ``G`` rotated into the eigenbasis where the preconditioner forms it
+        (SOAP), so that the caller can reuse it; else ``None``.
+        """
+        return None
+
+    def rotate(self, state: dict[str, Tensor], X: Tensor) -> Tensor:
+        """``X`` in the eigenbasis of the factors (SOAP only)."""
+        raise NotImplementedError
+
+    def precondition(
+        self, state: dict[str, Tensor], M: Tensor, step: int, rotated: Tensor | None = None
+    ) -> Tensor:
+        """The preconditioned direction for the filtered gradient stack ``M``.
+
+        ``rotated``: ``M`` already in the eigenbasis, if the caller has it (SOAP).
+        """
         raise NotImplementedError
 
 
@@ -203,7 +217,9 @@ class RootInversePreconditioner(Preconditioner):
             factored=self.is_factored(k),
         )
 
-    def precondition(self, state: dict[str, Tensor], M: Tensor, step: int) -> Tensor:  # noqa: D102
+    def precondition(  # noqa: D102
+        self, state: dict[str, Tensor], M: Tensor, step: int, rotated: Tensor | None = None
+    ) -> Tensor:
         ops: list[list[Tensor]] = []
         for k in range(self.order):
             if self.is_factored(k):
@@ -238,42 +254,51 @@ class EigenvalueCorrectedPreconditioner(Preconditioner):
     def _basis(self, state: dict[str, Tensor]) -> list[Tensor]:
         return [state[f"eigenvectors{k}"] for k in range(self.order)]
 
-    def after_amortize(self, state: dict[str, Tensor], G: Tensor, step: int) -> None:
-        """``E ← β₂E + (1−β₂)(G rotated into the eigenbasis)²``."""
-        rotated = mode_product(G, self._basis(state), transpose=True)
+    def rotate(self, state: dict[str, Tensor], X: Tensor) -> Tensor:  # noqa: D102
+        return mode_product(X, self._basis(state), transpose=True)
+
+    def after_amortize(self, state: dict[str, Tensor], G: Tensor, step: int) -> Tensor:
+        """``E ← β₂E + (1−β₂)(G rotated into the eigenbasis)²``; returns the rotated ``G``."""
+        rotated = self.rotate(state, G)
         E = state["corrected_eigenvalues"]
         if self.beta2 == 1.0:
             state["corrected_eigenvalues"] = torch.addcmul(E, rotated, rotated)
         else:
             new = E.mul(self.beta2).addcmul_(rotated, rotated, value=1.0 - self.beta2)
             state["corrected_eigenvalues"] = new
+        return rotated
 
-    def precondition(self, state: dict[str, Tensor], M: Tensor, step: int) -> Tensor:
+    def precondition(
+        self, state: dict[str, Tensor], M: Tensor, step: int, rotated: Tensor | None = None
+    ) -> Tensor:
         """Rotate ``M``, divide by ``sqrt(E) + ε`` where ``E`` is not rounding noise, rotate back.
 
         In the null space of the factors the rotated gradient is rounding noise, and
         so is ``E`` there; their ratio is noise over noise, which a float32 step can
-        turn into a move thousands of times the float64 one.  As the pseudo-inverse
-        does for eigenvalues, a coordinate whose ``E`` is at most ``rtol · max E`` (over
-        the block) gets a zero direction instead: ``rtol`` is ``EigenConfig.rank_rtol``,
-        by default the largest block dimension times the dtype's machine epsilon.
+        turn into a move thousands of times the float64 one.  A rotation by ``n × n``
+        orthogonal factors leaves errors up to about ``n · machine epsilon`` of the
+        block's norm, and ``ΣE`` (over the block) is the weighted sum of the squared
+        norms, so a coordinate with ``E ≤ rtol² · ΣE`` is noise and gets a zero
+        direction, as the pseudo-inverse does for eigenvalues: ``rtol`` is
+        ``EigenConfig.rank_rtol``, by default the largest block dimension times the
+        dtype's machine epsilon.  Coordinates above it, however small, are signal and
+        are divided as in Adam (and in DistributedShampoo, which has no cutoff).
         """
         basis = self._basis(state)
-        rotated = mode_product(M, basis, transpose=True)
+        if rotated is None:
+            rotated = mode_product(M, basis, transpose=True)
         E = state["corrected_eigenvalues"]
         denom = E.sqrt()
         bc2 = self.bias_correction2(step)
         if bc2 != 1.0:
-            denom = denom / bc2**0.5
+            denom.div_(bc2**0.5)
         dims = tuple(range(1, E.ndim))
-        cutoff = self.null_rtol(E.dtype) * E.amax(dim=dims, keepdim=True)
-        direction = torch.where(
-            cutoff < E, rotated / denom.add_(self.epsilon), torch.zeros_like(rotated)
-        )
+        cutoff = self.null_rtol(E.dtype) ** 2 * E.sum(dim=dims, keepdim=True)
+        direction = torch.where(cutoff < E, rotated / denom.add_(self.epsilon), 0.0)
         return mode_product(direction, basis)
 
     def null_rtol(self, dtype: torch.dtype) -> float:
-        """``E ≤ null_rtol · max E`` is the factors' null space (see :meth:`precondition`)."""
+        """``E ≤ null_rtol² · ΣE`` is the factors' null space (see :meth:`precondition`)."""
         cfg = self.root_inv_config
         if isinstance(cfg, EigenConfig) and cfg.rank_rtol is not None:
             return cfg.rank_rtol

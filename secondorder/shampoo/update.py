@@ -59,19 +59,29 @@ def compute_update(
         S["grafting_state"] = updated_grafting(grafting, S["grafting_state"], G)
     if amortize:
         _amortize(pre, S, t, blocks, group)
-    pre.after_amortize(S, Gf, t)
+    rotated_G = pre.after_amortize(S, Gf, t)
+    rotated_M = None  # M in SOAP's eigenbasis, where it comes without a rotation
+    bc1 = 1.0 - beta1**t if group["use_bias_correction"] else 1.0
     if beta1 != 0.0:
         S["filtered_grad"] = torch.lerp(S["filtered_grad"], G, 1.0 - beta1)
-        M = S["filtered_grad"]
-        if group["use_bias_correction"]:
-            M = M / (1.0 - beta1**t)
+        M = S["filtered_grad"] if bc1 == 1.0 else S["filtered_grad"] / bc1
+        if "filtered_grad_eigenbasis" in S:
+            # Rotation is linear: between refreshes the rotated filter follows the
+            # rotated gradient, which the second moment needed anyway.
+            old = S["filtered_grad_eigenbasis"]
+            if amortize or rotated_G is None:
+                R = pre.rotate(S, S["filtered_grad"].to(fdtype))
+            else:
+                R = torch.lerp(old, rotated_G, 1.0 - beta1)
+            S["filtered_grad_eigenbasis"] = R
+            rotated_M = R if bc1 == 1.0 else R / bc1
     else:
-        M = G
+        M, rotated_M = G, rotated_G
     start = resolved_start(group)
     if t < start and grafting is not None:
         P = grafting_direction(grafting, S.get("grafting_state"), M, t)
     else:
-        P = pre.precondition(S, M.to(fdtype), t).to(G.dtype)
+        P = pre.precondition(S, M.to(fdtype), t, rotated_M).to(G.dtype)
         if grafting is not None:
             dims = tuple(range(1, P.ndim))
             graft = grafting_direction(grafting, S.get("grafting_state"), M, t)

@@ -1068,3 +1068,45 @@ def test_named_parameters_name_the_culprit() -> None:
     m[0].bias.grad[0] = float("inf")
     with pytest.raises(FloatingPointError, match=r"parameter '0.bias' \(shape \(5,\)\)"):
         opt.step()
+
+
+def test_soap_keeps_the_filter_in_the_eigenbasis_and_derives_it_when_missing() -> None:
+    # Between refreshes SOAP carries M rotated into the eigenbasis by linearity; a state
+    # dict saved without that entry (an older one) gets it rotated from filtered_grad.
+    dtype = torch.float64
+    kw: dict[str, Any] = dict(
+        lr=0.01, betas=(0.9, 0.99), preconditioner="eigenvalue_corrected", precondition_frequency=3
+    )
+    x, y = _data(dtype)
+    a, b = _model(dtype), _model(dtype)
+    oa = Shampoo(a.parameters(), **kw)
+    for _ in range(4):
+        oa.zero_grad()
+        ((a(x) - y) ** 2).mean().backward()
+        oa.step()
+    sd = oa.state_dict()
+    p0 = next(a.parameters())
+    kept = oa.state[p0]["block0.filtered_grad_eigenbasis"].clone()
+    basis = [oa.state[p0][f"block0.eigenvectors{k}"] for k in range(kept.ndim)]
+    rotated = oa.state[p0]["block0.filtered_grad"]
+    for Q in basis:
+        rotated = torch.tensordot(rotated, Q, dims=([0], [0]))
+    torch.testing.assert_close(kept, rotated, rtol=0, atol=1e-14)
+    for pstate in sd["state"].values():
+        for key in [k for k in pstate if k.endswith("filtered_grad_eigenbasis")]:
+            del pstate[key]
+    b.load_state_dict(a.state_dict())
+    ob = Shampoo(b.parameters(), **kw)
+    ob.load_state_dict(sd)
+    torch.testing.assert_close(
+        ob.state[next(b.parameters())]["block0.filtered_grad_eigenbasis"], kept, rtol=0, atol=1e-14
+    )
+    # two more steps, the second refreshing the basis (a later one may magnify the
+    # derived entry's last-bit difference: this small factor is rank deficient)
+    for m, o in ((a, oa), (b, ob)):
+        for _ in range(2):
+            o.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=1e-12)

@@ -144,8 +144,9 @@ class Shampoo(torch.optim.Optimizer):
             its ranks and the directions all-gathered.  The gradients must already be
             averaged across ranks (DDP does this).
         communication_dtype: dtype of the all-gathered directions; ``None`` is the
-            parameter's dtype (bitwise equal to one process); ``torch.bfloat16`` halves
-            the bytes.
+            parameter's dtype (directions arrive exactly: equal to one process to
+            rounding, as batched kernels round by batch size); ``torch.bfloat16``
+            halves the bytes.
         distributed_config: DistributedShampoo's configs (:mod:`.named_configs`):
             ``None`` picks from the parameters; ``fully_shard`` (DTensor) parameters get
             each rank stepping the blocks of its own shards (cut inside the shard),
@@ -452,8 +453,8 @@ class Shampoo(torch.optim.Optimizer):
         Checked before anything is kept: that it is a Shampoo state dict of this rank
         and world size, its hyperparameters, and every block entry this optimizer keeps
         (present, shape, a dtype that holds it exactly, finite values, non-negative
-        second moments and factor diagonals, whole step counts >= 0).  With several
-        ranks, a rank that refuses makes every rank refuse.
+        second moments, factors' 2x2 principal minors >= 0 to rounding, whole step
+        counts >= 0).  With several ranks, a rank that refuses makes every rank refuse.
         """
         previous = (
             self.param_groups,

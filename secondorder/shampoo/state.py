@@ -159,8 +159,8 @@ def check_entry(entry: str, name: str, saved: Tensor, buf: Tensor) -> None:
 
     ``buf`` is the (stacked) buffer row it will be copied into.  Floating entries must be
     finite; second moments and failure counts non-negative; a factor's diagonal
-    non-negative (it is a sum of ``GGᵀ``).  An upcast (a bfloat16 factor into float32)
-    is exact and allowed.
+    non-negative and its off-diagonal within the diagonal's bound (it is a sum of
+    ``GGᵀ``).  An upcast (a bfloat16 factor into float32) is exact and allowed.
     """
     where = f"the saved state {entry!r} of {name}"
     if saved.shape != buf.shape:
@@ -190,6 +190,30 @@ def check_entry(entry: str, name: str, saved: Tensor, buf: Tensor) -> None:
         return
     if values.numel() and bool((values < 0).any()):
         raise ValueError(f"{where} holds {what}: the checkpoint is corrupt; nothing was loaded.")
+    if key.startswith("factor") and saved.numel():
+        _check_two_by_two_minors(where, saved)
+
+
+def _check_two_by_two_minors(where: str, F: Tensor) -> None:
+    """Refuse ``F_ij² > F_ii·F_jj·(1 + n·eps)``: a 2x2 principal minor of a sum of ``GGᵀ``.
+
+    A necessary condition for positive semidefiniteness, O(n²) (a full test would be an
+    eigendecomposition per factor): it catches a flipped or scaled off-diagonal entry.
+    ``n·eps`` allows the rounding of a factor at the bound (gradients along one
+    direction).  Compared as ``|F_ij| ≤ √F_ii·√F_jj·…`` so no square overflows.
+    """
+    n = F.shape[-1]
+    eps = torch.finfo(F.dtype).eps
+    root = F.diagonal().double().sqrt()
+    bound = root[:, None] * root[None, :] * math.sqrt(1.0 + n * eps)
+    excess = F.double().abs() - bound
+    if bool((excess > 0).any()):
+        i, j = divmod(int(excess.argmax()), n)
+        raise ValueError(
+            f"{where} is not positive semidefinite: |F[{i}, {j}]| = {float(F[i, j].abs()):.6g} "
+            f"exceeds √(F[{i}, {i}]·F[{j}, {j}]) = {float(root[i] * root[j]):.6g} (a factor is "
+            "a sum of GGᵀ): the checkpoint is corrupt; nothing was loaded."
+        )
 
 
 def ensure_int64_steps(param_groups: list[dict[str, Any]], state: Any) -> None:

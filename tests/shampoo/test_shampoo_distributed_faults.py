@@ -102,6 +102,12 @@ def _fault(case: str, rank: int, model: nn.Module, opt: Shampoo) -> None:
         if rank == 0:
             saved["state"][0]["block0.factor0"][0, 0] = float("nan")
         opt.load_state_dict(saved)
+    elif case == "indefinite_factor_on_one_rank":
+        saved = copy.deepcopy(opt.state_dict())
+        if rank == 0:  # diagonal kept, one off-diagonal pair past √(F00·F11)
+            F = saved["state"][0]["block0.factor0"]
+            F[0, 1] = F[1, 0] = 2 * (F[0, 0] * F[1, 1]).sqrt() + 1e-3
+        opt.load_state_dict(saved)
     else:
         raise AssertionError(case)
 
@@ -120,6 +126,7 @@ CASES = [
     "weight_decay_differs",
     "gradient_on_one_rank_only",
     "bad_checkpoint_on_one_rank",
+    "indefinite_factor_on_one_rank",
 ]
 
 
@@ -209,6 +216,10 @@ EXPECTED: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
     ),
     "bad_checkpoint_on_one_rank": (
         ("ValueError", r"the saved state 'block0.factor0' of .* holds NaN or Inf"),
+        ("RankFailedError", r"rank\(s\) \[0\] of 2 refused to build or load its Shampoo state"),
+    ),
+    "indefinite_factor_on_one_rank": (
+        ("ValueError", r"the saved state 'block0.factor0' of .* is not positive semidefinite"),
         ("RankFailedError", r"rank\(s\) \[0\] of 2 refused to build or load its Shampoo state"),
     ),
 }

@@ -151,6 +151,16 @@ def _set(key: str, fill: Any) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
+def _indefinite(key: str) -> Callable[[dict[str, Any]], None]:
+    """Set F[0, 1] = F[1, 0] past √(F[0, 0]·F[1, 1]): diagonal fine, matrix indefinite."""
+
+    def edit(sd: dict[str, Any]) -> None:
+        F = _first(sd, key)
+        F[0, 1] = F[1, 0] = 2 * (F[0, 0] * F[1, 1]).sqrt() + 1e-3
+
+    return edit
+
+
 def _remove(key: str) -> Callable[[dict[str, Any]], None]:
     def edit(sd: dict[str, Any]) -> None:
         del sd["state"][0][f"block0.{key}"]
@@ -196,6 +206,13 @@ BAD_CHECKPOINTS = {
         _set("factor0", -1.0),
         ValueError,
         rf"'block0.factor0' {W0} holds a diagonal entry below 0",
+    ),
+    "indefinite_factor": (
+        {},
+        _indefinite("factor0"),
+        ValueError,
+        rf"'block0.factor0' {W0} is not positive semidefinite: \|F\[0, 1\]\| = .* exceeds "
+        r"√\(F\[0, 0\]·F\[1, 1\]\)",
     ),
     "negative_step": (
         {},
@@ -256,6 +273,24 @@ def test_impossible_checkpoint_is_refused_and_changes_nothing(case: str) -> None
         oa.load_state_dict(saved)
     _assert_unchanged(a, oa, before)
     _assert_twins(a, oa, b, ob, range(3, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_one_factors_at_the_cauchy_schwarz_bound_load(dtype: torch.dtype) -> None:
+    # Gradients along one direction: the factor is v vᵀ times a sum, every 2x2 minor is 0
+    # in exact arithmetic and off by rounding here; the off-diagonal check must allow it.
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    p = nn.Parameter(torch.zeros(64, dtype=dtype))
+    opt = Shampoo([p], betas=(0.9, 0.999), precondition_frequency=10)
+    for t in range(30):
+        p.grad = v * (1.0 + 0.37 * t)
+        opt.step()
+    F = opt.state_dict()["state"][0]["block0.factor0"]
+    d = F.diagonal()
+    assert bool((F.abs() > (d[:, None] * d[None, :]).sqrt()).any())  # rounding past the bound
+    fresh = Shampoo([nn.Parameter(p.detach().clone())], betas=(0.9, 0.999))
+    fresh.load_state_dict(opt.state_dict())
+    assert torch.equal(fresh.state_dict()["state"][0]["block0.factor0"], F)
 
 
 def test_another_optimizers_state_dict_is_named() -> None:

@@ -200,13 +200,14 @@ def _check_two_by_two_minors(where: str, F: Tensor) -> None:
     A necessary condition for positive semidefiniteness, O(n²) (a full test would be an
     eigendecomposition per factor): it catches a flipped or scaled off-diagonal entry.
     ``n·eps`` allows the rounding of a factor at the bound (gradients along one
-    direction).  Compared as ``|F_ij| ≤ √F_ii·√F_jj·…`` so no square overflows.
+    direction).  Compared in float64 as ``|F_ij| ≤ √F_ii·√F_jj·(1 + (n + 4)·eps)``,
+    which no square can overflow and the check's own rounding cannot tip.
     """
     n = F.shape[-1]
-    eps = torch.finfo(F.dtype).eps
+    slack = 1.0 + (n + 4) * torch.finfo(F.dtype).eps
     root = F.diagonal().double().sqrt()
-    bound = root[:, None] * root[None, :] * math.sqrt(1.0 + n * eps)
-    excess = F.double().abs() - bound
+    excess = F.double().abs() - root[:, None] * root[None, :] * slack
+    excess.diagonal().fill_(-math.inf)
     if bool((excess > 0).any()):
         i, j = divmod(int(excess.argmax()), n)
         raise ValueError(

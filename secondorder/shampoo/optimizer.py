@@ -364,13 +364,9 @@ class Shampoo(torch.optim.Optimizer):
                 if world == 1:
                     raise
                 error = exc
-        writes = [w for u in updates for w in u.writes]
-        writes += self._new_parameters(updates, error)
-        for gi, t in steps.items():
-            for p in self.param_groups[gi]["params"]:
-                step = self.state[p]["step"]
-                writes.append((step, torch.full_like(step, t)))
-        commit(writes)
+        params = self._new_parameters(updates, error)
+        counts = [(p, t) for gi, t in steps.items() for p in self.param_groups[gi]["params"]]
+        commit(self.state, updates, params, counts)
         return loss
 
     def _compute(self) -> tuple[dict[int, int], list[BatchUpdate]]:

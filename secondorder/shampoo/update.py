@@ -1,12 +1,13 @@
-"""One batch's Shampoo step, computed into new tensors that a single call commits.
+"""One batch's Shampoo step, computed into new tensors that :func:`commit` puts in place.
 
 A step is a transaction: :func:`compute_update` reads the batch's stacked state and
-writes only copies (the factors, grafting state, filtered gradient, momentum, the
-roots when they are refreshed, the failure counters), and the parameters' new
+writes only new tensors (the factors, grafting state, filtered gradient, momentum,
+the roots when they are refreshed, the failure counters), and the parameters' new
 values are formed beside them.  Nothing the user can see changes until
-:func:`commit` copies every new tensor into place in one ``torch._foreach_copy_``
-call, which a Ctrl-C (delivered between Python bytecodes) cannot split.  An error
-or an interrupt before that, on any rank, leaves parameters and state as they were.
+:func:`commit` points the state at the new tensors (no copy) and copies the new
+values into the parameters; whatever interrupts it, a Ctrl-C included, puts the old
+references and values back.  An error or an interrupt before that, on any rank,
+leaves parameters and state as they were.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ __all__ = ["BatchUpdate", "commit", "compute_update", "refreshes_roots"]
 
 @dataclass
 class BatchUpdate:
-    """What one batch's step will write: ``(destination, new value)`` pairs, directions."""
+    """One batch's step: its new stacked state by key, directions, deferred warnings."""
 
-    writes: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    batch: Batch
+    state: dict[str, Tensor] = field(default_factory=dict)
     directions: dict[int, Tensor] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 def refreshes_roots(group: dict[str, Any], t: int) -> bool:
@@ -57,8 +60,9 @@ def compute_update(
     pre.update_factors(S, Gf)
     if "grafting_state" in S:
         S["grafting_state"] = updated_grafting(grafting, S["grafting_state"], G)
+    warned: list[str] = []
     if amortize:
-        _amortize(pre, S, t, blocks, group)
+        warned = _amortize(pre, S, t, blocks, group)
     rotated_G = pre.after_amortize(S, Gf, t)
     rotated_M = None  # M in SOAP's eigenbasis, where it comes without a rotation
     bc1 = 1.0 - beta1**t if group["use_bias_correction"] else 1.0
@@ -102,13 +106,15 @@ def compute_update(
         else:
             P = buf  # not changed after: the commit copies it, the direction reads it
     P = P.to(blocks[0].param.dtype)  # a no-op unless the parameters are half precision
-    update = BatchUpdate()
+    update = BatchUpdate(batch, warnings=warned)
     for k, new in S.items():
+        if new is prep.state[k]:
+            continue
         old = batch.state[k]
         if prep.index is not None:
-            update.writes.append((old, old.index_copy(0, prep.index, new)))
-        elif new is not old:
-            update.writes.append((old, new))
+            new = old.index_copy(0, prep.index, new.to(old.dtype))
+        # The state keeps its dtype and a contiguous layout (eigh's eigenvectors are not).
+        update.state[k] = new.to(old.dtype).contiguous()
     for i, b in enumerate(blocks):
         update.directions[b.gid] = P[i]
     return update
@@ -116,8 +122,12 @@ def compute_update(
 
 def _amortize(
     pre: Preconditioner, S: dict[str, Tensor], t: int, blocks: list[Block], group: dict[str, Any]
-) -> None:
-    """Refresh the roots in ``S``; count failures; raise past the tolerated number."""
+) -> list[str]:
+    """Refresh the roots in ``S``; count failures; raise past the tolerated number.
+
+    Returns the warnings for tolerated failures, which :func:`commit` issues once the
+    step is taken (a step refused later changes nothing, so it warns of nothing).
+    """
     failed = pre.amortize(S, t)
     failed_blocks = sorted({i for i, _ in failed})
     mask = torch.zeros_like(S["failed_amortized_computations"])
@@ -125,6 +135,7 @@ def _amortize(
     counter = (S["failed_amortized_computations"] + mask) * mask
     S["failed_amortized_computations"] = counter
     tolerated = group["num_tolerated_failed_amortized_computations"]
+    messages = []
     for i in failed_blocks:
         b = blocks[i]
         factors = [k for j, k in failed if j == i]
@@ -137,13 +148,12 @@ def _amortize(
                 "changed. Check the gradients, raise epsilon, or use "
                 "factor_dtype=torch.float64."
             )
-        warnings.warn(
+        messages.append(
             f"Shampoo: the root computation of block {b.spec.index} (factors {factors}) "
             f"of {b.name} failed at step {t} even in float64; keeping its previous "
-            f"root ({count} failure(s) in a row, {tolerated} tolerated).",
-            RuntimeWarning,
-            stacklevel=5,
+            f"root ({count} failure(s) in a row, {tolerated} tolerated)."
         )
+    return messages
 
 
 def new_parameter_values(
@@ -164,7 +174,51 @@ def new_parameter_values(
     return list(fresh.values())
 
 
-def commit(writes: Sequence[tuple[Tensor, Tensor]]) -> None:
-    """Copy every new value into its destination, in one call."""
-    if writes:
-        torch._foreach_copy_([d for d, _ in writes], [s for _, s in writes])
+_ABSENT = object()  # an entry the per-parameter state did not hold before the commit
+
+
+def commit(
+    opt_state: Any,
+    updates: Sequence[BatchUpdate],
+    params: Sequence[tuple[Tensor, Tensor]],
+    steps: Sequence[tuple[Tensor, int]],
+) -> None:
+    """Put the step in place: all of it, or (on any exception or interrupt) none of it.
+
+    Each batch's stacked state and its blocks' per-parameter entries (``opt_state``,
+    views into the stack) are pointed at the new tensors, every ``step`` count (keyed
+    by parameter in ``steps``) at a new one, and each parameter gets its new value by
+    ``copy_`` (its storage is kept: views and sharded wrappers see it).  The old
+    references and a copy of each overwritten parameter are kept until the end and
+    put back if anything is raised, a ``KeyboardInterrupt`` between two copies included.
+    """
+    rebound: list[tuple[dict[Any, Any], Any, Any]] = []  # (mapping, key, old value)
+    overwritten: list[tuple[Tensor, Tensor]] = []
+    try:
+        for u in updates:
+            for k, new in u.state.items():
+                rebound.append((u.batch.state, k, u.batch.state[k]))
+                u.batch.state[k] = new
+                for b, row in zip(u.batch.blocks, new.unbind(0), strict=True):
+                    pstate, entry = opt_state[b.param], f"{b.entry}.{k}"
+                    rebound.append((pstate, entry, pstate.get(entry, _ABSENT)))
+                    pstate[entry] = row
+        for p, t in steps:
+            pstate = opt_state[p]
+            rebound.append((pstate, "step", pstate["step"]))
+            pstate["step"] = torch.tensor(t, dtype=torch.int64)
+        for dest, value in params:
+            overwritten.append((dest, dest.clone()))
+            dest.copy_(value)
+    except BaseException:
+        for dest, old in reversed(overwritten):
+            dest.copy_(old)
+        for mapping, key, old in reversed(rebound):
+            if old is _ABSENT:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = old
+        raise
+    for u in updates:
+        for message in u.warnings:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)

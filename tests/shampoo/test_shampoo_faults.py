@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -121,6 +122,80 @@ def test_interrupt_in_a_later_block_batch_changes_nothing(
     _assert_unchanged(a, oa, before)
     monkeypatch.undo()
     _assert_twins(a, oa, b, ob, range(2, 4))
+
+
+@pytest.mark.parametrize("where", ["state", "parameters"])
+def test_interrupt_inside_the_commit_puts_everything_back(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # The commit points the state at the new tensors (unbind makes each block's view)
+    # and copies the parameters' new values; an interrupt between two of those must
+    # leave the old state and values in place.
+    a, oa, b, ob = _pair(precondition_frequency=2)
+    _assert_twins(a, oa, b, ob, range(2))
+    before = _snapshot(a, oa)
+    second = list(a.parameters())[1]
+    calls = []
+    real_unbind, real_copy = torch.Tensor.unbind, torch.Tensor.copy_
+
+    def unbind(self: torch.Tensor, dim: int = 0) -> Any:
+        calls.append("unbind")
+        if where == "state" and calls.count("unbind") == 3:
+            raise KeyboardInterrupt
+        return real_unbind(self, dim)
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> Any:
+        if where == "parameters" and self.data_ptr() == second.data_ptr():
+            calls.append("copy")
+            if calls.count("copy") == 1:  # once: the restore copies it back
+                raise KeyboardInterrupt
+        return real_copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "unbind", unbind)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    _backward(a, oa, 2)
+    with pytest.raises(KeyboardInterrupt):
+        oa.step()
+    monkeypatch.undo()
+    assert ("copy" in calls) == (where == "parameters") and calls.count("unbind") >= 3
+    _assert_unchanged(a, oa, before)
+    _assert_twins(a, oa, b, ob, range(2, 5))
+
+
+def test_tolerated_root_failure_warns_only_when_the_step_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first batch's roots fail (tolerated: a warning), a later batch is interrupted:
+    # the step is refused, so no failure was kept and nothing may be reported.
+    a, oa, b, ob = _pair(num_tolerated_failed_amortized_computations=1)
+    _assert_twins(a, oa, b, ob, range(2))
+    before = _snapshot(a, oa)
+    shapes: list[tuple[int, ...]] = []
+    real = ri._eigh
+    second = (1, 3, 3)  # the first batch's factors are 4x4, then 3x3
+
+    def flaky(A: torch.Tensor) -> Any:
+        shapes.append(tuple(A.shape))
+        if second not in shapes:  # the first factor, and its float64 retry
+            raise RuntimeError("linalg.eigh: failed to converge")
+        if interrupt and shapes[-1] != second:  # the next batch
+            raise KeyboardInterrupt
+        return real(A)
+
+    monkeypatch.setattr(ri, "_eigh", flaky)
+    interrupt = True
+    _backward(a, oa, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KeyboardInterrupt):
+            oa.step()
+    assert not [w for w in caught if "keeping its previous root" in str(w.message)]
+    assert second in shapes and shapes[-1] not in ((1, 4, 4), second)  # a later batch
+    _assert_unchanged(a, oa, before)
+    shapes.clear()
+    interrupt = False
+    with pytest.warns(RuntimeWarning, match=r"failed at step 3 even in float64; keeping its"):
+        oa.step()
 
 
 def test_refused_structure_change_and_bad_lr_change_nothing() -> None:

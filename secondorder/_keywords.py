@@ -47,9 +47,11 @@ def unknown_keyword_error(
             f"{owner} does not support{where}'s option {keyword!r}" + (f": {hint}" if hint else ".")
         )
     close = difflib.get_close_matches(keyword, valid, n=1, cutoff=0.6)
-    if not close:
-        # a reference option with a near spelling is a likelier intent than nothing
-        near_known = difflib.get_close_matches(keyword, list(known), n=1, cutoff=0.75)
+    # a reference option with a nearer spelling than any valid one is the likelier intent
+    near_known = difflib.get_close_matches(keyword, list(known), n=1, cutoff=0.75)
+    if near_known and close and _ratio(keyword, near_known[0]) <= _ratio(keyword, close[0]):
+        near_known = []
+    if not close or near_known:
         if near_known:
             return TypeError(
                 f"{owner} got an unexpected keyword argument {keyword!r}; it is not an option "
@@ -64,6 +66,10 @@ def unknown_keyword_error(
         f"{owner} got an unexpected keyword argument {keyword!r} (a typo?); did you mean "
         f"{close[0]!r}?"
     )
+
+
+def _ratio(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
 
 
 def check_keywords(

@@ -203,8 +203,21 @@ def build(**kwargs):
         ),
         (
             {"momentum": 0.9},
-            r"does not support DistributedShampoo's option 'momentum': "
-            r"pass iterate_averaging_config=ClassicMomentumConfig",
+            r"^DistributedShampoo got 'momentum', an option of older DistributedShampoo "
+            r"releases that this one does not take: pass iterate_averaging_config="
+            r"ClassicMomentumConfig",
+        ),
+        (
+            {"factor_dtype": torch.float64},
+            r"^DistributedShampoo got 'factor_dtype', secondorder\.Shampoo's option, which "
+            r"DistributedShampoo does not take: pass preconditioner_config="
+            r"RootInvShampooPreconditionerConfig\(factor_matrix_dtype=\.\.\.\) here",
+        ),
+        (
+            {"root_inv_confg": None},  # nearer secondorder.Shampoo's name than any valid one
+            r"^DistributedShampoo got an unexpected keyword argument 'root_inv_confg' \(a "
+            r"typo of 'root_inv_config'\?\), secondorder\.Shampoo's option, which "
+            r"DistributedShampoo does not take: pass preconditioner_config=\.\.\. here",
         ),
         (
             {"precondition_frequncy": 10},

@@ -174,6 +174,12 @@ def test_reference_names_survive_a_weights_only_state_dict() -> None:
             r"option 'weight_decay_type': pass use_decoupled_weight_decay=True",
         ),
         ({"beta3": 0.9}, r"option 'beta3': the gradient filter is betas\[0\]"),
+        (
+            {"weight_decay_typ": 1},  # nearer DistributedShampoo's name than 'weight_decay'
+            r"unexpected keyword argument 'weight_decay_typ'; it is not an option here \(did "
+            r"you mean DistributedShampoo's 'weight_decay_type', which is not supported: pass "
+            r"use_decoupled_weight_decay",
+        ),
         ({"xyzzy": 1}, r"unexpected keyword argument 'xyzzy'; valid keywords are .*betas"),
     ],
 )

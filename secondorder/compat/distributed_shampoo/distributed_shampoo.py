@@ -38,12 +38,13 @@ change nothing numerical.  The state dict is :class:`~secondorder.shampoo.Shampo
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from ..._keywords import check_keywords
+from ..._keywords import unknown_keyword_error
 from ...shampoo import CoupledNewtonConfig as NativeCoupledNewton
 from ...shampoo import EigenConfig as NativeEigen
 from ...shampoo import Shampoo
@@ -124,13 +125,45 @@ KNOWN = {
     ),
     "use_protected_eigh": "pass EigenConfig(retry_double_precision=...) in preconditioner_config.",
     "track_root_inv_residuals": "it is not supported; drop it.",
-    "preconditioner": "that is secondorder.Shampoo's option; pass preconditioner_config=... here.",
-    "root_inv_config": "that is secondorder.Shampoo's option; pass preconditioner_config=... here.",
+}
+#: secondorder.Shampoo's own names, with what to pass here.
+NATIVE = {
+    "preconditioner": "pass preconditioner_config=... here.",
+    "root_inv_config": "pass preconditioner_config=... here.",
     "factor_dtype": (
-        "that is secondorder.Shampoo's option; pass preconditioner_config="
-        "RootInvShampooPreconditionerConfig(factor_matrix_dtype=...) here."
+        "pass preconditioner_config=RootInvShampooPreconditionerConfig(factor_matrix_dtype=...) "
+        "here."
     ),
 }
+_WHOSE = {
+    **{
+        k: ("an option of older DistributedShampoo releases that this one does not take", h)
+        for k, h in KNOWN.items()
+    },
+    **{
+        k: ("secondorder.Shampoo's option, which DistributedShampoo does not take", h)
+        for k, h in NATIVE.items()
+    },
+}
+
+
+def _check_options(owner: str, given: Mapping[str, Any], valid: Collection[str]) -> None:
+    """Name a keyword that is not DistributedShampoo's: whose it is, or the nearest."""
+    for keyword in given:
+        if keyword in valid:
+            continue
+        guess, prefix = keyword, f"{owner} got {keyword!r}, "
+        if keyword not in _WHOSE:
+            near = difflib.get_close_matches(keyword, [*valid, *_WHOSE], n=1, cutoff=0.6)
+            if not near or near[0] in valid:
+                raise unknown_keyword_error(owner, keyword, valid)
+            guess = near[0]
+            prefix = (
+                f"{owner} got an unexpected keyword argument {keyword!r} (a typo of {guess!r}?), "
+            )
+        whose, hint = _WHOSE[guess]
+        raise TypeError(f"{prefix}{whose}: {hint}")
+
 
 #: ``start_preconditioning_step`` of a group that never preconditions.
 NEVER = 2**62
@@ -382,7 +415,7 @@ class DistributedShampoo(Shampoo):
         concurrency_config: ConcurrencyConfig = DefaultConcurrencyConfig,
         **unknown: Any,
     ) -> None:
-        check_keywords("DistributedShampoo", unknown, _KEYWORDS, KNOWN, "DistributedShampoo")
+        _check_options("DistributedShampoo", unknown, _KEYWORDS)
         if shampoo_pt2_compile_config is not None:
             raise _refuse(
                 "shampoo_pt2_compile_config",
@@ -412,13 +445,7 @@ class DistributedShampoo(Shampoo):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group given by DistributedShampoo's option names (checked before it is added)."""
         overrides = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
-        check_keywords(
-            "DistributedShampoo parameter group",
-            overrides,
-            GROUP_OPTIONS,
-            KNOWN,
-            "DistributedShampoo",
-        )
+        _check_options("DistributedShampoo parameter group", overrides, GROUP_OPTIONS)
         if "distributed_config" in overrides and (
             overrides["distributed_config"] != self._reference_defaults["distributed_config"]
         ):

@@ -110,8 +110,9 @@ def check_tallies(
             raise ValueError(
                 f"the step count of param_groups[{gi}] differs across ranks "
                 f"({_by_rank([int(s) for s in steps])}): the ranks' optimizer states come "
-                "from different checkpoints; load every rank's file of one checkpoint; "
-                f"{_UNCHANGED}."
+                "from different checkpoints, or from a step interrupted on some ranks only "
+                "(a Ctrl-C in the final writes puts back that rank's step alone); load every "
+                f"rank's file of one checkpoint; {_UNCHANGED}."
             )
         if any(v != prints[0] for v in prints):
             # Every rank sees the same tallies and calls this collective alike; it

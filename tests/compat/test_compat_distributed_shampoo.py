@@ -219,6 +219,17 @@ def build(**kwargs):
             r"typo of 'root_inv_config'\?\), secondorder\.Shampoo's option, which "
             r"DistributedShampoo does not take: pass preconditioner_config=\.\.\. here",
         ),
+        (  # a diagonal method ignores them, as DistributedShampoo does, but checks them
+            {"preconditioner_config": ds.AdamPreconditionerConfig(), "max_preconditioner_dim": 0},
+            r"^Invalid max_preconditioner_dim=0: must be an integer >= 1 or math\.inf",
+        ),
+        (
+            {
+                "preconditioner_config": ds.AdamPreconditionerConfig(),
+                "start_preconditioning_step": 0,
+            },
+            r"^Invalid start_preconditioning_step=0: must be -1, an integer >= 1 or math\.inf",
+        ),
         (
             {"precondition_frequncy": 10},
             r"'precondition_frequncy' \(a typo\?\); did you mean 'precondition_frequency'",

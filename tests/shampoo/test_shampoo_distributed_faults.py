@@ -170,6 +170,37 @@ def fault_job(rank: int, world: int) -> dict[str, Any]:
     o.param_groups[0]["lr"] = 0.05
     o.step()  # the group is still in step: the retry succeeds on every rank
     out["first_step"]["params"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    # Interrupted in its final writes, after the ranks agreed: rank 1 puts its own step
+    # back while rank 0 keeps it, and the next step must say so on both.
+    m = _model()
+    o = _shampoo(m)
+    _backward(m, o, 0)
+    o.step()
+    real_copy = torch.Tensor.copy_
+    fired = []
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> Any:
+        if rank == 1 and not fired and self.data_ptr() == m.weight.data_ptr():
+            fired.append(True)
+            raise KeyboardInterrupt
+        return real_copy(self, src, non_blocking)
+
+    torch.Tensor.copy_ = copy_  # type: ignore[method-assign]
+    _backward(m, o, 1)
+    try:
+        o.step()
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        torch.Tensor.copy_ = real_copy  # type: ignore[method-assign]
+    _backward(m, o, 2)
+    try:
+        o.step()
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    out["commit_interrupt"] = {"interrupted": interrupted, "next_step": error}
     return out
 
 
@@ -244,3 +275,17 @@ def test_refusal_before_the_first_step_reaches_every_rank(results: dict[int, Any
     assert r1["error_type"] == "RankFailedError"
     assert "rank(s) [0] of 2 refused to build or load its Shampoo state" in r1["error"]
     assert torch.equal(r0["params"], r1["params"])
+
+
+def test_an_interrupt_in_one_ranks_final_writes_is_named_at_the_next_step(
+    results: dict[int, Any],
+) -> None:
+    assert [results[r]["commit_interrupt"]["interrupted"] for r in range(WORLD)] == [False, True]
+    for rank in range(WORLD):
+        got = results[rank]["commit_interrupt"]["next_step"]
+        assert re.search(
+            r"the step count of param_groups\[0\] differs across ranks \(rank 0: 2, rank 1: 1\)"
+            r".*a step interrupted on some ranks only",
+            got,
+            re.S,
+        ), got

@@ -12,7 +12,9 @@ DistributedShampoo                     secondorder.Shampoo
 ``EigenvalueCorrectedShampoo...Config`` ``preconditioner="eigenvalue_corrected"`` (eigh)
 ``SGD/AdaGrad/RMSprop/Adam...Config``   ``grafting_config=`` the same config (taken
                                         natively); as ``preconditioner_config``: that
-                                        method alone
+                                        method alone (elementwise: the group's start
+                                        and block size, checked, are then replaced by
+                                        never and 8, as they change nothing)
 ``ClassicMomentumConfig``               ``momentum``, ``dampening``, ``use_nesterov``
 ``WeightDecayType.L2 / DECOUPLED``      ``use_decoupled_weight_decay=False / True``
 ``start_preconditioning_step=-1``       ``None``
@@ -331,6 +333,23 @@ def check_distributed(cfg: Any) -> None:
     check_distributed_config(cfg)
 
 
+def _whole(x: Any, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _check_unused_blocking(max_dim: Any, start: Any) -> None:
+    """The checks so.Shampoo makes, for the values a diagonal method then replaces."""
+    if not (max_dim == math.inf or _whole(max_dim, 1)):
+        raise ValueError(
+            f"Invalid max_preconditioner_dim={max_dim!r}: must be an integer >= 1 or math.inf."
+        )
+    if not (start == -1 or start == math.inf or _whole(start, 1)):
+        raise ValueError(
+            f"Invalid start_preconditioning_step={start!r}: must be -1, an integer >= 1 or "
+            "math.inf."
+        )
+
+
 def translate(options: dict[str, Any]) -> dict[str, Any]:
     """DistributedShampoo's group options (all of :data:`GROUP_OPTIONS`) as so.Shampoo's."""
     o = options
@@ -363,6 +382,9 @@ def translate(options: dict[str, Any]) -> dict[str, Any]:
                 "preconditioner_config is already a diagonal method",
             )
         grafting = pre.pop("grafting_config")
+        # Elementwise: blocking and start change nothing, as in DistributedShampoo; a
+        # bad value is still refused before both are replaced.
+        _check_unused_blocking(max_dim, start)
         start, max_dim = NEVER, DIAGONAL_BLOCK
     elif start == -1:
         start = None

@@ -36,6 +36,14 @@ different dtypes for a factor and its root.  ``use_pin_memory``,
 ``load_balancing_config`` and the run-time and concurrency configs are accepted and
 change nothing numerical.  The state dict is :class:`~secondorder.shampoo.Shampoo`'s
 (torch.optim's layout), not DistributedShampoo's.
+
+Its README examples give DistributedShampoo's parameters to 1e-10 in float64, with one
+exception: SOAP whose basis is refreshed less often than every step, on a factor of
+lower rank than its size (a bias block's in its first steps).  Any basis of the null
+space is an exact eigenbasis, and eigh picks one by the factor's last bits, which the
+two form in different orders; the later gradients' components there then meet other
+second moments.  Both runs are SOAP; they differ by O(lr) from the first step after
+such a refresh.
 """
 
 from __future__ import annotations

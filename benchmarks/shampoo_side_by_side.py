@@ -1,11 +1,11 @@
-"""Ours against DistributedShampoo in one process: ``python -m benchmarks.shampoo_peers``.
+"""Ours against DistributedShampoo in one process: ``python -m benchmarks.shampoo_side_by_side``.
 
 Run it from the benchmark venv that ``make bench-peers`` builds (it holds
 facebookresearch/optimizers at f606606 beside this checkout)::
 
-    out/peers/venv/bin/python -m benchmarks.shampoo_peers            # every configuration
-    out/peers/venv/bin/python -m benchmarks.shampoo_peers --quick    # 3 rounds each
-    out/peers/venv/bin/python -m benchmarks.shampoo_peers --configs cnn_soap_f10 --rounds 7
+    out/peers/venv/bin/python -m benchmarks.shampoo_side_by_side            # every configuration
+    out/peers/venv/bin/python -m benchmarks.shampoo_side_by_side --quick    # 3 rounds each
+    out/peers/venv/bin/python -m benchmarks.shampoo_side_by_side --configs cnn_soap_f10 --rounds 7
 
 Each configuration is built twice from the same keyword arguments: once with
 DistributedShampoo's own classes, once with :mod:`secondorder.compat.distributed_shampoo`'s
@@ -178,7 +178,7 @@ def _steps(
     opt: torch.optim.Optimizer,
     batches: list[tuple[Tensor, Tensor]],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
-) -> float:
+) -> tuple[float, float]:
     """Train on ``batches``; the CPU and wall seconds spent in ``opt.step()``."""
     cpu = wall = 0.0
     for x, y in batches:

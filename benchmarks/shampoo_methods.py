@@ -187,7 +187,7 @@ def _stage_targets() -> list[tuple[Any, str, str]]:
         (pc.EigenvalueCorrectedPreconditioner, "after_amortize", "factor"),
         (pc.RootInversePreconditioner, "precondition", "precondition"),
         (pc.EigenvalueCorrectedPreconditioner, "precondition", "precondition"),
-        (opt_mod, "update_grafting", "grafting"),
+        (opt_mod, "updated_grafting", "grafting"),
         (opt_mod, "grafting_direction", "grafting"),
     ]
     out = []

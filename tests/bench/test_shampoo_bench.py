@@ -159,7 +159,7 @@ def test_stage_timing_sees_every_stage_and_restores_the_functions() -> None:
     from secondorder.shampoo import preconditioner as pc
     from secondorder.shampoo import update as opt_mod
 
-    before = (pc.Preconditioner.amortize, opt_mod.update_grafting)
+    before = (pc.Preconditioner.amortize, opt_mod.updated_grafting)
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 4))
     opt = Shampoo([w], **shampoo_options(_P(), 1, False))
@@ -169,7 +169,7 @@ def test_stage_timing_sees_every_stage_and_restores_the_functions() -> None:
         opt.step()
     assert {"factor", "root", "precondition", "grafting"} <= set(spent)
     assert all(v > 0 for v in spent.values())
-    assert (pc.Preconditioner.amortize, opt_mod.update_grafting) == before
+    assert (pc.Preconditioner.amortize, opt_mod.updated_grafting) == before
 
 
 class _P:

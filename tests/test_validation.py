@@ -142,6 +142,7 @@ def _families() -> list[tuple[str, Any]]:
         ("LevenbergMarquardt", lambda lr: so.LevenbergMarquardt(model(), lr=lr)),
         ("KFAC", lambda lr: so.KFAC(model(), lr=lr)),
         ("KFACOptimizer", lambda lr: so.KFACOptimizer(model(), lr=lr)),
+        ("Shampoo", lambda lr: so.Shampoo(model().parameters(), lr=lr)),
     ]
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._validation import check_integer, check_number
 from .named_configs import (
     AdaGradPreconditionerConfig,
     AdamPreconditionerConfig,
@@ -46,12 +47,6 @@ __all__ = [
 PRECONDITIONERS = ("root_inverse", "eigenvalue_corrected")
 
 
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name}={value!r}: must be a real number.")
-    return float(value)
-
-
 def check_range(
     name: str,
     value: object,
@@ -62,19 +57,20 @@ def check_range(
     high_open: bool = False,
 ) -> None:
     """Raise naming ``name`` unless ``value`` is a finite number in the given interval."""
-    v = _number(name, value)
-    lo_ok = v > low if low_open else v >= low
-    hi_ok = v < high if high_open else v <= high
-    if not (math.isfinite(v) and lo_ok and hi_ok):
-        left = "(" if low_open else "["
-        right = ")" if high_open or high == math.inf else "]"
-        raise ValueError(f"Invalid {name}={value!r}: must be in {left}{low}, {high}{right}.")
+    finite_high = high != math.inf
+    check_number(
+        name,
+        value,
+        above=low if low_open else None,
+        at_least=None if low_open else low,
+        below=high if finite_high and high_open else None,
+        at_most=high if finite_high and not high_open else None,
+    )
 
 
 def check_int(name: str, value: object, low: int) -> None:
     """Raise naming ``name`` unless ``value`` is an integer ``>= low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"Invalid {name}={value!r}: must be an integer >= {low}.")
+    check_integer(name, value, minimum=low)
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,15 @@ groups, into new tensors (the step commits them only once every rank agreed).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .preconditioner import KFAC
+from .parts import KFACParts
 
 __all__ = ["share_inverses", "share_preconditioned"]
 
 
-def share_inverses(kfac: KFAC, inv: dict[str, dict[str, Tensor]], uses: int) -> None:
+def share_inverses(kfac: KFACParts, inv: dict[str, dict[str, Tensor]], uses: int) -> None:
     """Broadcast each decomposition inside its worker group (into new tensors)."""
     cfg = kfac.config
     asg, rank = kfac.assignment, kfac.reducer.rank
@@ -36,7 +33,7 @@ def share_inverses(kfac: KFAC, inv: dict[str, dict[str, Tensor]], uses: int) -> 
 
 
 def share_preconditioned(
-    kfac: KFAC, out: dict[str, Tensor], grads: dict[str, Tensor]
+    kfac: KFACParts, out: dict[str, Tensor], grads: dict[str, Tensor]
 ) -> dict[str, Tensor]:
     """Every layer's preconditioned gradient, broadcast from its worker group."""
     asg = kfac.assignment

@@ -11,15 +11,13 @@ rank's K-FAC as it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from .checkpoint import check_counters, check_layers_state, loaded_layers
+from .parts import KFACParts
 from .transaction import Snapshot
-
-if TYPE_CHECKING:
-    from .preconditioner import KFAC
 
 __all__ = ["PreparedLoad", "check_state", "commit_load", "prepare_load"]
 
@@ -35,7 +33,7 @@ class PreparedLoad:
     layers: dict[str, tuple[Tensor | None, Tensor | None, dict[str, Tensor]]]
 
 
-def check_state(kfac: KFAC, state: Any, recompute: bool) -> None:
+def check_state(kfac: KFACParts, state: Any, recompute: bool) -> None:
     """Raise if ``state`` cannot be loaded into ``kfac``; changes nothing."""
     check_counters(state)
     steps = state["steps"]
@@ -46,7 +44,7 @@ def check_state(kfac: KFAC, state: Any, recompute: bool) -> None:
 
 
 def prepare_load(
-    kfac: KFAC,
+    kfac: KFACParts,
     state: Any,
     recompute: bool,
     damping: float | None = None,
@@ -86,7 +84,7 @@ def prepare_load(
     )
 
 
-def commit_load(kfac: KFAC, prepared: PreparedLoad) -> None:
+def commit_load(kfac: KFACParts, prepared: PreparedLoad) -> None:
     """Assign ``prepared``; an interrupt while assigning puts the old state back."""
     undo = Snapshot.take(kfac, [])
     try:

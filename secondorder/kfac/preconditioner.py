@@ -441,8 +441,7 @@ class KFAC:
         workers = self.assignment.inverse_worker
         return layer_table(self.layers, workers, self.skipped)
 
-    def __repr__(self) -> str:
-        return self.summary()
+    __repr__ = summary
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -464,10 +463,7 @@ class KFAC:
         }
 
     def check_state_dict(self, state: Any, recompute: bool = False) -> None:
-        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing.
-
-        A local check: it makes no collective, so ranks may call it alone.
-        """
+        """Raise if :meth:`load_state_dict` would refuse ``state``: local, changes nothing."""
         check_state(self, state, recompute)
 
     def load_state_dict(self, state: dict[str, Any], recompute: bool = False) -> None:

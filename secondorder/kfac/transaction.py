@@ -12,14 +12,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
 
 from .layers import KFACLayer
-
-if TYPE_CHECKING:
-    from .preconditioner import KFAC
+from .parts import KFACParts
 
 __all__ = ["STATS_ATTRS", "Snapshot", "StepPlan", "blank_settings", "warn_about_statistics"]
 
@@ -123,7 +121,7 @@ class Snapshot:
         self.grads = grads
 
     @classmethod
-    def take(cls, kfac: KFAC, params: Sequence[nn.Parameter]) -> Snapshot:
+    def take(cls, kfac: KFACParts, params: Sequence[nn.Parameter]) -> Snapshot:
         """References to K-FAC's state and copies of the ``.grad`` of ``params``."""
         counters = {
             k: getattr(kfac, k, None)
@@ -144,7 +142,7 @@ class Snapshot:
         grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in params]
         return cls(counters, layers, capture, grads)
 
-    def restore(self, kfac: KFAC) -> None:
+    def restore(self, kfac: KFACParts) -> None:
         """Put everything :meth:`take` saw back."""
         for p, tensor, values in self.grads:
             if tensor is None or values is None:

@@ -52,6 +52,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/kfac/test_kfac_layer_checks.py",
         "tests/kfac/test_kfac_half_and_lr.py",
         "tests/kfac/test_kfac_rank_faults.py",
+        "tests/kfac/test_kfac_rank_refusals.py",
     ),
     "Shampoo and SOAP": (
         "tests/shampoo/test_shampoo_faults.py",

@@ -10,7 +10,6 @@ finite differences.  The covariance of the result is explained in :mod:`.report`
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import Tensor
 from .arrays import as_float64
 from .bounds import parse_bounds
 from .curve_model import (
+    count_params,
     data,
     jacobian_on_arrays,
     jacobian_on_tensors,
@@ -227,27 +227,8 @@ def _method(method: str | None, lb: Tensor, ub: Tensor, kwargs: dict[str, Any]) 
 def _parameter_count(f: Callable[..., Any], p0: Any) -> int:
     """How many parameters: ``p0``'s size, else read from ``f``'s signature."""
     if p0 is None:
-        return _count_params(f)
+        return count_params(f)
     return _initial_parameters(f, p0, None, None).numel()
-
-
-def _count_params(f: Callable[..., Any]) -> int:
-    """Parameters of ``f(x, p1, p2, ...)``, for ``p0=None`` (scipy's rule)."""
-    try:
-        sig = inspect.signature(f)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            "p0 is None and the number of parameters of f cannot be read from its "
-            "signature; pass p0"
-        ) from exc
-    args = [
-        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    if len(args) < 2:
-        raise ValueError(
-            f"p0 is None and f{sig} takes no parameters after x; pass p0 or write f(x, p1, p2, ...)"
-        )
-    return len(args) - 1
 
 
 def _initial_parameters(
@@ -259,7 +240,7 @@ def _initial_parameters(
     middle of a two-sided bound, one above a lower bound, one below an upper bound.
     """
     if p0 is None:
-        p = torch.ones(_count_params(f), dtype=torch.float64)
+        p = torch.ones(count_params(f), dtype=torch.float64)
         if lb is not None and ub is not None:
             lo, hi = torch.isfinite(lb), torch.isfinite(ub)
             p = torch.where(lo & hi, 0.5 * (lb + ub), p)

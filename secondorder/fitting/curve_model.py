@@ -8,6 +8,7 @@ differentiate ``f`` (:func:`torch_friendly`), on NumPy arrays otherwise.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from .arrays import as_float64
 
 __all__ = [
     "Weight",
+    "count_params",
     "data",
     "jacobian_on_arrays",
     "jacobian_on_tensors",
@@ -221,3 +223,22 @@ def _weighted(
         return torch.stack([weight(J[:, j]) for j in range(n)], dim=1)
 
     return weighted
+
+
+def count_params(f: Callable[..., Any]) -> int:
+    """Parameters of ``f(x, p1, p2, ...)``, for ``p0=None`` (scipy's rule)."""
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            "p0 is None and the number of parameters of f cannot be read from its "
+            "signature; pass p0"
+        ) from exc
+    args = [
+        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(args) < 2:
+        raise ValueError(
+            f"p0 is None and f{sig} takes no parameters after x; pass p0 or write f(x, p1, p2, ...)"
+        )
+    return len(args) - 1

@@ -7,7 +7,6 @@ error that names the argument, the value and the fix.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..._validation import check_choice, check_number
+from ..curve_model import count_params
 from ..losses import LOSSES
 
 __all__ = [
@@ -117,21 +117,7 @@ def parameter_count(f: Callable[..., Any], p0: Any) -> int:
         if len(shape) not in (1, 2) or shape[-1] == 0:
             raise ValueError(f"p0 must be (n,) or (B, n) with n > 0 parameters, got shape {shape}")
         return int(shape[-1])
-    try:
-        sig = inspect.signature(f)
-    except (TypeError, ValueError):
-        raise ValueError(
-            "p0 is None and the number of parameters of f cannot be read from its "
-            "signature; pass p0"
-        ) from None
-    params = [
-        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    if len(params) < 2:
-        raise ValueError(
-            f"p0 is None and f{sig} takes no parameters after x; pass p0 or write f(x, p1, p2, ...)"
-        )
-    return len(params) - 1
+    return count_params(f)
 
 
 def starts(

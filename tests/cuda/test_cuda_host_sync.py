@@ -1,7 +1,7 @@
 """Host synchronisations per LM step on CUDA: the rule of ``tests/lm/test_host_sync.py``.
 
-There, a :class:`~torch.overrides.TorchFunctionMode` (``tests/lm/syncs.py``) counts
-the calls that read a device value on the host, on CPU.  Here the same rule (one
+There, a :class:`~torch.overrides.TorchFunctionMode` (:mod:`secondorder.testing.syncs`)
+counts the calls that read a device value on the host, on CPU.  Here the same rule (one
 read per step, plus two per attempt) is checked against the synchronisations CUDA itself reports:
 ``torch.cuda.set_sync_debug_mode("warn")`` makes every blocking copy between host and
 device and every stream or device synchronisation issue a warning, which the test
@@ -12,7 +12,6 @@ steps on CUDA and must find the same number (in CPU mode only the counter runs).
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -24,23 +23,9 @@ import torch
 from torch import nn
 
 import secondorder as so
+from secondorder.testing.syncs import SyncCounter
 
 pytestmark = pytest.mark.cuda
-
-
-def _sync_counter_class() -> type[Any]:
-    """``SyncCounter`` of ``tests/lm/syncs.py``, the CPU-side counter (loaded from its file).
-
-    ``tests`` is a namespace package, which a ``tests`` package installed by another
-    project would shadow: the helper is loaded from its file.
-    """
-    path = Path(__file__).parents[1] / "lm" / "syncs.py"
-    spec = importlib.util.spec_from_file_location("_lm_syncs", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    counter: type[Any] = module.SyncCounter
-    return counter
 
 
 def cuda_syncs(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
@@ -147,7 +132,7 @@ def test_an_lm_step_synchronises_once_plus_twice_per_attempt(
     model, x, y = sinc(points, dev)
     opt = so.LevenbergMarquardt(model, **{"damping": 1.0, **options})
     opt.step(x, y)  # the first step on a new input signature checks and caches choices
-    counter = _sync_counter_class()()
+    counter = SyncCounter()
     attempts = []
     for step in range(1, 7):
         info, sites = count_syncs(instrument, lambda: opt.step(x, y), counter)
@@ -168,7 +153,7 @@ def test_a_classifier_dual_step_synchronises_once_plus_twice_per_attempt(
     opt = so.LevenbergMarquardt(model, so.residuals.cross_entropy, form="dual")
     batches = classifier_batches(dev)
     opt.step(*batches[0])
-    counter = _sync_counter_class()()
+    counter = SyncCounter()
     for i, (x, y) in enumerate(batches[1:], start=1):
         info, sites = count_syncs(instrument, lambda x=x, y=y: opt.step(x, y), counter)
         assert info.form == "dual", info

@@ -1,68 +1,22 @@
 """Batched fits read the device on the host once per ``check_every`` attempts, no more.
 
-Counted as in tests/lm/test_host_sync.py: a :class:`~torch.overrides.TorchFunctionMode`
-sees every call that makes the host wait for a tensor's value (``.item()``,
-``.tolist()``, ``bool(t)``, ``nonzero``, boolean-mask indexing, ...), on CPU too.
+Counted by :class:`secondorder.testing.syncs.SyncCounter`, as LM's host reads are: a
+:class:`~torch.overrides.TorchFunctionMode` sees every call that makes the host wait
+for a tensor's value (``.item()``, ``.tolist()``, ``bool(t)``, ``nonzero``,
+boolean-mask indexing, ...), on CPU too.
 """
 
 from __future__ import annotations
 
 import math
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 import secondorder as so
 from secondorder.fitting.batch import driver
-
-SYNCS = {
-    "item",
-    "tolist",
-    "__bool__",
-    "__float__",
-    "__int__",
-    "__index__",
-    "__repr__",
-    "__format__",
-    "nonzero",
-    "argwhere",
-    "masked_select",
-    "unique",
-    "equal",
-    "allclose",
-    "numpy",
-    "cpu",
-}
-
-
-def _bool_index(args: tuple[Any, ...]) -> bool:
-    if len(args) < 2:
-        return False
-    index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    return any(isinstance(i, Tensor) and i.dtype == torch.bool and i.ndim > 0 for i in index)
-
-
-class SyncCounter(TorchFunctionMode):
-    """Every host read, with the file and function of secondorder that made it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sites: list[str] = []
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in SYNCS or (name == "__getitem__" and _bool_index(args)):
-            frames = [f for f in traceback.extract_stack()[:-1] if "secondorder" in f.filename]
-            where = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].name}" if frames else "?"
-            self.sites.append(where)
-        return func(*args, **(kwargs or {}))
+from secondorder.testing.syncs import SyncCounter
 
 
 def _problem(count: int = 64):
@@ -95,11 +49,11 @@ def test_one_host_read_per_check_interval(monkeypatch, check_every):
     assert int(info.status[3]) == -1 and bool(info.success[torch.arange(64) != 3].all())
     inside = [
         s
-        for s in counter.sites
+        for s in counter.functions
         if s.split(":")[0] in ("engine.py", "rule.py", "problem.py", "small_linalg.py")
     ]
     assert inside == []  # no read inside a step, the linearisation or the solves
-    checks = [s for s in counter.sites if s == "driver.py:_run_chunk"]
+    checks = [s for s in counter.functions if s == "driver.py:_run_chunk"]
     assert len(steps) >= 5
     assert len(checks) == math.ceil(len(steps) / check_every)
 

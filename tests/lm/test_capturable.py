@@ -1,8 +1,9 @@
 """The capturable step (``capturable=True``): no host read, and the default step's answers.
 
 References: the default step (float64, CPU), which the capturable step must reproduce
-where their rules coincide; a counter of host reads (:mod:`syncs`); one process on the
-concatenated batch for the distributed run (real gloo ranks).
+where their rules coincide; a counter of host reads
+(:mod:`secondorder.testing.syncs`); one process on the concatenated batch for the
+distributed run (real gloo ranks).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from syncs import SyncCounter
 from torch import Tensor, nn
 
 import secondorder as so
 from secondorder.testing import run_ranks
+from secondorder.testing.syncs import SyncCounter
 
 F64 = torch.float64
 #: Parameters of the two modes after the same steps, float64 on the CPU.

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from syncs import SyncCounter
 from torch import Tensor, nn
 
 import secondorder as so
+from secondorder.testing.syncs import SyncCounter
 
 
 def _sinc(points: int = 256) -> tuple[nn.Module, Tensor, Tensor]:

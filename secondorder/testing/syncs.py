@@ -3,7 +3,8 @@
 Every read of a device value on the host (``.item()``, ``float(t)``, ``bool(t)``,
 ``.tolist()``, ``nonzero``, boolean-mask indexing, ...) stalls a GPU until its queue
 drains.  A :class:`~torch.overrides.TorchFunctionMode` sees each such call, on CPU
-too, so host reads are counted by tests without a GPU.
+too, so host reads are counted by tests without a GPU.  :class:`SyncCounter` records
+each read with the secondorder file, line and function that made it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+__all__ = ["SYNCS", "SyncCounter"]
 
 SYNCS = {
     "item",
@@ -51,7 +54,10 @@ class SyncCounter(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
+        #: ``"item at engine.py:120"``: the call and the line that made it, in order.
         self.sites: list[str] = []
+        #: ``"engine.py:step"``: the file and function of each read, in the same order.
+        self.functions: list[str] = []
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -59,6 +65,8 @@ class SyncCounter(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in SYNCS or (name == "__getitem__" and _bool_index(args)):
             frames = [f for f in traceback.extract_stack()[:-1] if "secondorder" in f.filename]
-            where = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno}" if frames else "?"
-            self.sites.append(f"{name} at {where}")
+            last = frames[-1] if frames else None
+            file = last.filename.split("/")[-1] if last else "?"
+            self.sites.append(f"{name} at {file}:{last.lineno}" if last else f"{name} at ?")
+            self.functions.append(f"{file}:{last.name}" if last else "?")
         return func(*args, **(kwargs or {}))

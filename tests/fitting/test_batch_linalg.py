@@ -11,6 +11,7 @@ import secondorder as so
 from secondorder.fitting.batch import api, driver
 from secondorder.fitting.batch.small_linalg import (
     UNROLLED_MAX_N,
+    inverse_spd,
     norm2,
     solve_columns,
     solve_shifted,
@@ -50,6 +51,27 @@ def test_a_matrix_that_is_not_positive_definite_fails_in_its_own_fit_only(n):
     clean = [0, 1, 3, 5]
     again = solve_columns(A[..., clean], shift[clean], b[clean].T.contiguous())
     torch.testing.assert_close(z[:, clean], again, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, UNROLLED_MAX_N])
+def test_inverse_spd_matches_torch_linalg_inv(n):
+    M, _, _ = _systems(n, 40, seed=40 + n)
+    inv = inverse_spd(M.permute(1, 2, 0).contiguous()).permute(2, 0, 1)
+    torch.testing.assert_close(inv, torch.linalg.inv(M), rtol=1e-10, atol=1e-12)
+    assert torch.equal(inv, inv.mT)  # exactly symmetric
+
+
+def test_inverse_spd_fails_in_its_own_fit_only_and_refuses_a_large_n():
+    M, _, _ = _systems(4, 5, seed=50)
+    M[1] = -M[1]
+    M[3, 2, 2] = math.nan
+    inv = inverse_spd(M.permute(1, 2, 0).contiguous())
+    assert torch.isfinite(inv).all((0, 1)).tolist() == [True, False, True, False, True]
+    clean = [0, 2, 4]
+    again = inverse_spd(M[clean].permute(1, 2, 0).contiguous())
+    assert torch.equal(inv[..., clean], again)
+    with pytest.raises(ValueError, match=f"n <= {UNROLLED_MAX_N}, got n={UNROLLED_MAX_N + 1}"):
+        inverse_spd(torch.eye(UNROLLED_MAX_N + 1, dtype=F64)[..., None])
 
 
 def test_norm2_is_the_euclidean_norm_along_either_axis():
@@ -103,3 +125,28 @@ def test_a_parameter_the_model_ignores_has_a_zero_column(monkeypatch):
     J = problem.jacobian_x(torch.ones(4, 2, dtype=F64))
     torch.testing.assert_close(J[0], t.expand(4, 6))
     assert torch.equal(J[1], torch.zeros(4, 6, dtype=F64))
+
+
+@pytest.mark.parametrize("n", [2, 5, UNROLLED_MAX_N, UNROLLED_MAX_N + 1])
+def test_batch_covariance_matches_the_single_fit_rule(n):
+    from secondorder.fitting.batch.covariance import batch_covariance
+    from secondorder.fitting.report import _unscaled_covariance
+
+    gen = torch.Generator().manual_seed(60 + n)
+    J = torch.randn(6, 3 * n, n, generator=gen, dtype=F64)
+    J[1, :, -1] = J[1, :, 0]  # rank deficient: two equal columns
+    J[2, :, 0] *= 1e-12  # a tiny column: scaled away before the rank is decided
+    J[3, 4, 1] = math.nan  # a failed fit
+    J[4, :, -1] = 0.0  # a parameter the model ignores
+    cost2 = torch.rand(6, generator=gen, dtype=F64)
+    eps = torch.finfo(F64).eps
+    cov = batch_covariance(J, cost2, eps=eps)
+    assert torch.isinf(cov[3]).all()
+    for b in (0, 1, 2, 4, 5):
+        ref, undetermined = _unscaled_covariance(J[b])
+        ref = ref * cost2[b] / (J.shape[1] - n)
+        ref[undetermined, :] = math.inf
+        ref[:, undetermined] = math.inf
+        assert torch.equal(torch.isinf(cov[b]), torch.isinf(ref))
+        kept = torch.isfinite(ref)
+        torch.testing.assert_close(cov[b][kept], ref[kept], rtol=1e-9, atol=0)

@@ -6,7 +6,8 @@ data do not determine.  The rank is decided on J with its columns scaled to norm
 with scipy's threshold ``eps·max(m, n)·s_max`` on the singular values.
 
 Fast path: the Cholesky factorisation of the scaled ``JᵀJ`` (unit diagonal, so
-``λ_max ≤ n``) and its inverse bound the condition number; where that bound proves
+``λ_max ≤ n``) and its inverse, unrolled entry by entry for ``n ≤ 8``
+(:func:`.small_linalg.inverse_spd`), bound the condition number; where that bound proves
 the rank full, and the inverse accurate in float64, it is the answer.  The other fits
 (rank deficient or nearly so) take the singular value decomposition.
 """
@@ -17,6 +18,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from .small_linalg import UNROLLED_MAX_N, inverse_spd, norm2
 
 __all__ = ["batch_covariance"]
 
@@ -30,21 +33,28 @@ def batch_covariance(J: Tensor, cost2: Tensor | None, *, eps: float) -> Tensor:
     ``absolute_sigma``); ``eps``: the precision J was computed in (the rank rule's).
     """
     b, m, n = J.shape
+    # 0·t sums to 0 exactly when every entry is finite (no overflow, unlike Σt).
+    finite = (J * 0.0).sum((1, 2)) == 0.0
     J64 = J.to(torch.float64)
-    finite = torch.isfinite(J64).all(-1).all(-1)
-    # A fit that failed (NaN data) has no covariance; zeros keep LAPACK away from NaN.
-    J64 = torch.where(finite[:, None, None], J64, 0.0)
-    norms = torch.linalg.vector_norm(J64, dim=1)
-    scale = torch.where(norms > 0, norms, torch.ones_like(norms))
-    Js = J64 / scale.unsqueeze(1)
-    C = Js.mT @ Js
-    L, info = torch.linalg.cholesky_ex(C)
-    # A failed factorisation takes the slow path; I stands in for its L meanwhile.
-    eye = torch.eye(n, dtype=torch.float64, device=J.device)
-    inv = torch.cholesky_inverse(torch.where((info == 0)[:, None, None], L, eye))
-    bound = n * torch.linalg.vector_norm(inv, dim=(-2, -1))
+    C = J64.mT @ J64
+    norms = C.diagonal(dim1=-2, dim2=-1).sqrt()
+    scale = torch.where(norms > 0, norms, 1.0)
+    # The Gram of J with its columns scaled to norm 1 (a NaN fit stays NaN: slow path).
+    Cs = C / scale.unsqueeze(-1) / scale.unsqueeze(-2)
+    if n <= UNROLLED_MAX_N:
+        # Parameter-major, entry by entry: a pivot ≤ 0 leaves NaN or inf in its fit.
+        inv = inverse_spd(torch.movedim(Cs, 0, -1).contiguous())
+        inv = torch.movedim(inv, -1, 0)
+        factored = torch.ones_like(finite)
+    else:
+        L, info = torch.linalg.cholesky_ex(Cs)
+        # A failed factorisation takes the slow path; I stands in for its L meanwhile.
+        eye = torch.eye(n, dtype=torch.float64, device=J.device)
+        inv = torch.cholesky_inverse(torch.where((info == 0)[:, None, None], L, eye))
+        factored = info == 0
+    bound = n * norm2(inv.reshape(b, n * n), dim=1)
     fast = (
-        (info == 0)
+        factored
         & torch.isfinite(bound)
         & (bound < 1e-3 / _EPS64)
         & (bound * (eps * max(m, n)) ** 2 < 0.5)
@@ -53,7 +63,9 @@ def batch_covariance(J: Tensor, cost2: Tensor | None, *, eps: float) -> Tensor:
     undetermined = torch.zeros(b, n, dtype=torch.bool, device=J.device)
     slow = torch.nonzero(~fast).flatten()  # one host read per call
     if slow.numel():
-        cov_s, und_s = _svd_covariance(Js[slow], eps)
+        # A fit that failed (NaN data) has no covariance; zeros keep LAPACK away from NaN.
+        Js = torch.where(finite[slow, None, None], J64[slow] / scale[slow, None, :], 0.0)
+        cov_s, und_s = _svd_covariance(Js, eps)
         inv = inv.index_put((slow,), cov_s)
         undetermined = undetermined.index_put((slow,), und_s)
     cov = inv / scale.unsqueeze(-1) / scale.unsqueeze(-2)

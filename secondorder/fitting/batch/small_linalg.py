@@ -21,7 +21,15 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["UNROLLED_MAX_N", "gram", "norm2", "quadratic", "solve_columns", "solve_shifted"]
+__all__ = [
+    "UNROLLED_MAX_N",
+    "gram",
+    "inverse_spd",
+    "norm2",
+    "quadratic",
+    "solve_columns",
+    "solve_shifted",
+]
 
 #: The largest ``n`` solved by the unrolled factorisation; above it, batched LAPACK.
 UNROLLED_MAX_N = 8
@@ -82,15 +90,47 @@ def _lapack(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
     return torch.movedim(z, -1, 0)
 
 
-def _unrolled(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
-    """Cholesky ``LLᵀ`` entry by entry, then forward and back substitution.
+def inverse_spd(A: Tensor) -> Tensor:
+    """``A⁻¹`` per fit for symmetric positive definite ``A`` ``(n, n, *B)``, ``n ≤ 8``.
 
-    Each entry of ``L`` is one ``(B,)`` expression.  ``inv[j] = 1/L_jj`` from
-    ``rsqrt``: a pivot ≤ 0 gives NaN or inf, which reaches every later entry of that
-    fit's ``z``.
+    ``A = LLᵀ`` entry by entry, ``W = L⁻¹`` by forward substitution, ``A⁻¹ = WᵀW``:
+    each entry one ``(B,)`` expression, as :func:`solve_columns` solves.  A fit whose
+    ``A`` is not positive definite gets NaN or inf entries, in its own inverse only.
     """
     n = A.shape[0]
-    L: list[list[Tensor]] = [[] for _ in range(n)]  # L[i][k] for k < i
+    if n > UNROLLED_MAX_N:
+        raise ValueError(f"inverse_spd unrolls n <= {UNROLLED_MAX_N}, got n={n}")
+    L, inv = _cholesky(A, torch.zeros_like(A[0, 0]))
+    # W = L⁻¹, lower triangular: W[i][j] for j ≤ i.
+    W: list[list[Tensor]] = [[] for _ in range(n)]
+    for i in range(n):
+        for j in range(i):
+            t = L[i][j] * W[j][j]
+            for k in range(j + 1, i):
+                t = t + L[i][k] * W[k][j]
+            W[i].append(-t * inv[i])
+        W[i].append(inv[i])
+    out: list[list[Tensor]] = [[] for _ in range(n)]
+    for i in range(n):
+        for j in range(n):
+            if j < i:
+                out[i].append(out[j][i])
+                continue
+            t = W[j][i] * W[j][j]
+            for k in range(j + 1, n):
+                t = t + W[k][i] * W[k][j]
+            out[i].append(t)
+    return torch.stack([torch.stack(row) for row in out])
+
+
+def _cholesky(A: Tensor, shift: Tensor) -> tuple[list[list[Tensor]], list[Tensor]]:
+    """``L`` of ``A + shift·I`` below the diagonal (``L[i][k]``, k < i) and ``1/L_jj``.
+
+    ``1/L_jj`` from ``rsqrt``: a pivot ≤ 0 gives NaN or inf, which reaches every later
+    entry computed from it.
+    """
+    n = A.shape[0]
+    L: list[list[Tensor]] = [[] for _ in range(n)]
     inv: list[Tensor] = []
     for j in range(n):
         s = A[j, j] + shift
@@ -102,6 +142,17 @@ def _unrolled(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
             for k in range(j):
                 t = t - L[i][k] * L[j][k]
             L[i].append(t * inv[j])
+    return L, inv
+
+
+def _unrolled(A: Tensor, shift: Tensor, b: Tensor) -> Tensor:
+    """Cholesky ``LLᵀ`` entry by entry (:func:`_cholesky`), then forward and back substitution.
+
+    Each entry of ``L`` is one ``(B,)`` expression; a pivot ≤ 0 gives NaN or inf,
+    which reaches every later entry of that fit's ``z``.
+    """
+    n = A.shape[0]
+    L, inv = _cholesky(A, shift)
     y: list[Tensor] = []
     for i in range(n):
         t = b[i] * inv[i] if i == 0 else b[i]

@@ -34,7 +34,22 @@ CURVE_FIT_CASES = [
     ({"bounds": ([0.0, 0.0, 0.0], 9.0)}, ValueError, r"bounds lb must be a scalar, \(2,\)"),
     ({"bounds": (0.0, [9.0, math.nan])}, ValueError, "bounds ub contains NaN"),
     ({"bounds": (0.0, [9.0, 0.5])}, ValueError, "p0 is outside the bounds for fit 0"),
-    ({"sigma": torch.ones(3)}, ValueError, r"sigma must be a scalar, \(12,\) or \(5, 12\)"),
+    (
+        {"sigma": torch.ones(3)},
+        ValueError,
+        r"sigma must be standard deviations \(a scalar, \(12,\)",
+    ),
+    ({"sigma": -torch.eye(12)}, ValueError, "sigma as a covariance of ydata must be positive def"),
+    ({"sigma": torch.ones(12, 12)}, ValueError, "must be positive definite"),
+    ({"sigma": torch.triu(torch.ones(12, 12))}, ValueError, "must be symmetric"),
+    (
+        {
+            "sigma": torch.eye(12).expand(5, 12, 12)
+            * torch.tensor([1.0, 1, -1, 1, 1])[:, None, None]
+        },
+        ValueError,
+        r"must be positive definite \(fit 2\)",
+    ),
     ({"sigma": 0.0}, ValueError, r"sigma must be > 0 everywhere"),
     ({"estimator": "mle", "sigma": 1.0}, ValueError, "sigma=1.0 with estimator='mle'"),
     ({"estimator": "mle", "loss": "huber"}, ValueError, "loss='huber' with estimator='mle'"),
@@ -55,7 +70,16 @@ CURVE_FIT_CASES = [
     ({"device": "nowhere"}, ValueError, r"Invalid device='nowhere'"),
     ({"xdata_per_fit": True}, ValueError, r"xdata_per_fit=True needs xdata of shape"),
     ({"xdata_per_fit": "yes"}, TypeError, "xdata_per_fit must be None, True or False"),
+    ({"xdata": T.expand(5, 12)}, ValueError, r"xdata of shape \(5, 12\) with 5 fits .* two ways"),
     ({"jac": "2-point"}, TypeError, "jac must be None or a callable"),
+    ({"p0": [1.0, 1.0, 1.0]}, ValueError, r"p0 has 3 parameters per fit but f takes 2 after x"),
+    ({"device": "meta"}, ValueError, r"Invalid device='meta': a fit computes numbers"),
+    ({"ydata": Y.to("meta")}, ValueError, "The data are on 'meta': a fit computes numbers"),
+    (
+        {"f": lambda t, a, k: (a * t).double(), "ydata": Y.float()},
+        TypeError,
+        r"the model \(f, or fun\) must return a torch.float32 tensor",
+    ),
     ({"f": lambda t, a, k: np.ones(12)}, TypeError, "f must return a tensor"),
     ({"f": lambda t, a, k: a * t[:4]}, ValueError, r"f returned shape \(5, 4\) for 5 fits"),
     ({"jac": lambda t, a, k: torch.ones(5, 12)}, ValueError, r"jac must return a tensor of shape"),
@@ -86,6 +110,10 @@ LEAST_SQUARES_CASES = [
     ({"fun": lambda x, rows: [1.0]}, TypeError, "fun must return a tensor"),
     ({"loss": "l1"}, ValueError, r"Unknown loss='l1'"),
     ({"bounds": (2.0, 3.0)}, ValueError, "p0 is outside the bounds for fit 0"),
+    ({"x0": X0.half()}, ValueError, r"dtype torch.float16 is not supported: pass x0 as float32"),
+    # Checked before fun is called: this fun would fail otherwise.
+    ({"fun": lambda x, rows: 1 / 0, "ftol": -1.0}, ValueError, r"Invalid ftol=-1.0"),
+    ({"fun": lambda x, rows: 1 / 0, "compile": 1}, TypeError, "compile must be True or False"),
 ]
 
 
@@ -94,6 +122,19 @@ def test_least_squares_batch_refuses(change, error, match):
     call = {"fun": _fun, "x0": X0, "args": (Y,), **change}
     with pytest.raises(error, match=match):
         so.least_squares_batch(**call)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a build or machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"Invalid device='cuda:7': torch sees no CUDA device"):
+        so.curve_fit_batch(decay, T, Y, p0=[1.0, 1.0], device="cuda:7")
+
+
+def test_bounds_as_one_array_of_lower_and_upper_rows_as_scipy_takes_them():
+    pair = so.curve_fit_batch(decay, T, Y, p0=[1.0, 1.0], bounds=([0.0, 0.0], [9.0, 9.0]))
+    for arr in (np.array([[0.0, 0.0], [9.0, 9.0]]), torch.tensor([[0.0, 0.0], [9.0, 9.0]])):
+        one = so.curve_fit_batch(decay, T, Y, p0=[1.0, 1.0], bounds=arr)
+        assert torch.equal(one[0], pair[0])
 
 
 def test_the_valid_call_of_these_cases_runs():

@@ -316,7 +316,9 @@ def test_float32_per_fit_xdata_and_a_user_jacobian():
         return torch.stack([e, -a * t * e, torch.ones_like(e)], -1)
 
     xs = x.expand(20, -1).clone()  # per-fit xdata (B, m)
-    popt, pcov, info = so.curve_fit_batch(model, xs, y.float(), p0=p0.float(), jac=jac)
+    popt, pcov, info = so.curve_fit_batch(
+        model, xs, y.float(), p0=p0.float(), jac=jac, xdata_per_fit=True
+    )
     assert popt.dtype == torch.float32 and pcov.dtype == torch.float32
     assert bool(info.success.all())
     torch.testing.assert_close(popt.double(), ref, rtol=2e-3, atol=2e-3)

@@ -26,6 +26,7 @@ from .driver import RunOptions, make_progress, run
 from .driver import chunk_size as fits_per_chunk
 from .problem import BatchProblem, Objective
 from .rule import BatchTrustRegion
+from .weights import data_weights
 
 __all__ = ["BATCH_MESSAGES", "ESTIMATORS", "BatchResult", "curve_fit_batch", "least_squares_batch"]
 
@@ -106,7 +107,9 @@ def curve_fit_batch(
         ydata: ``(B, m)`` data, one row per fit (counts ≥ 0 for ``estimator="mle"``).
         p0: ``(B, n)`` or ``(n,)`` (the same start for every fit); default ones, their
             number read from ``f``'s signature (within bounds, scipy's feasible start).
-        sigma: a scalar, ``(m,)`` or ``(B, m)`` standard deviations of ``ydata``.
+        sigma: ``ydata``'s standard deviations, a scalar, ``(m,)`` or ``(B, m)``; or,
+            scipy's 2-D ``sigma``, their covariance, ``(m, m)`` or ``(B, m, m)`` (the
+            residuals are then whitened by its Cholesky factor).
         absolute_sigma: ``pcov`` unscaled (``sigma`` in the data's units) or scaled by
             the reduced chi-square ``2·cost/(m - n)`` (scipy's rule).
         bounds: ``(lb, ub)``, each a scalar, ``(n,)`` or ``(B, n)``; least_squares'
@@ -176,25 +179,23 @@ def curve_fit_batch(
                 "squares; pass loss='linear' or estimator='lse'"
             )
         check.counts(y)
-    inv_sigma = check.inverse_sigma(sigma, b, m, dt, dev)
+    weights = data_weights(sigma, b, m, dt, dev)
     model = check.column_model(f, n, m)
     rows: list[Tensor] = [y]
-    if inv_sigma is not None and inv_sigma.shape[0] == b and inv_sigma.ndim == 2:
-        rows.append(inv_sigma)
-        shared_w = None
-    else:
-        shared_w = inv_sigma
+    weighted = weights is not None and weights.per_fit
+    if weights is not None and weights.per_fit:
+        rows.append(weights.value)
     if per_fit:
         rows.append(x)
-    weighted = inv_sigma is not None and inv_sigma.ndim == 2
 
     def column_residuals(cols: list[Tensor], ys: Tensor, *rest: Tensor) -> Tensor:
         xs = rest[-1] if per_fit else x
         mu = model(cols, xs)
         if estimator == "mle":
             return mu
-        w = rest[0] if weighted else shared_w
-        return (mu - ys) if w is None else (mu - ys) * w
+        if weights is None:
+            return mu - ys
+        return weights.residuals(mu - ys, rest[0] if weighted else None)
 
     def residuals(q: Tensor, *rows: Tensor) -> Tensor:
         return column_residuals([q[:, j : j + 1] for j in range(n)], *rows)
@@ -209,10 +210,9 @@ def curve_fit_batch(
             J = jac(xs, *[q[:, j : j + 1] for j in range(n)])
             J = J if isinstance(J, Tensor) else torch.as_tensor(J)
             J = J.to(q.dtype)
-            if estimator == "mle":
+            if estimator == "mle" or weights is None:
                 return J
-            w = rest[0] if weighted else shared_w
-            return J if w is None else J * (w if w.ndim == 0 else w.reshape(-1, m))[..., None]
+            return weights.jacobian(J, rest[0] if weighted else None)
 
     objective = Objective("poisson" if estimator == "mle" else "lse", loss, float(f_scale))
     check.check_loss(loss, f_scale)
@@ -313,7 +313,10 @@ def least_squares_batch(
     kw = dict(kwargs or {})
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple of per-fit tensors, got {args!r}")
-    dt, dev = check.dtype_device(None, None, None, x0)
+    _check_options(
+        ftol, xtol, gtol, max_nfev, check_every, chunk_size, memory_budget, compile, progress
+    )
+    dt, dev = check.dtype_device(None, None, None, x0, fix="pass x0 as float32 or float64")
     x_start = check.as_tensor("x0", x0, dt, dev)
     if x_start.ndim != 2 or x_start.shape[1] == 0:
         raise ValueError(
@@ -407,18 +410,9 @@ def _solve(
     absolute_sigma: bool,
 ) -> tuple[BatchResult, Tensor | None]:
     """Check the run's options, build the rule and the change of variables, run, report."""
-    tols = check.tolerances(ftol, xtol, gtol)
-    check_integer("max_nfev", max_nfev, allow_none=True)
-    check_integer("check_every", check_every)
-    check_integer("chunk_size", chunk, allow_none=True)
-    check_integer("memory_budget", memory_budget, allow_none=True)
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile must be True or False, got {compile!r}")
-    if not (progress is None or isinstance(progress, bool) or callable(progress)):
-        raise TypeError(
-            f"progress must be None, True/False or a callable progress(done, total), got "
-            f"{progress!r}"
-        )
+    tols = _check_options(
+        ftol, xtol, gtol, max_nfev, check_every, chunk, memory_budget, compile, progress
+    )
     b, n = p.shape
     scale = check.x_scale(x_scale, b, n, p.dtype, p.device)
     lo, hi = torch.isfinite(problem.lb), torch.isfinite(problem.ub)
@@ -457,6 +451,33 @@ def _solve(
         message=[BATCH_MESSAGES[s] for s in statuses],
     )
     return res, out.pcov
+
+
+def _check_options(
+    ftol: Any,
+    xtol: Any,
+    gtol: Any,
+    max_nfev: Any,
+    check_every: Any,
+    chunk: Any,
+    memory_budget: Any,
+    compile: Any,
+    progress: Any,
+) -> tuple[float, float, float]:
+    """Refuse a bad run option before anything runs; the tolerances as floats."""
+    tols = check.tolerances(ftol, xtol, gtol)
+    check_integer("max_nfev", max_nfev, allow_none=True)
+    check_integer("check_every", check_every)
+    check_integer("chunk_size", chunk, allow_none=True)
+    check_integer("memory_budget", memory_budget, allow_none=True)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise TypeError(
+            f"progress must be None, True/False or a callable progress(done, total), got "
+            f"{progress!r}"
+        )
+    return tols
 
 
 def _with_transform(problem: BatchProblem, scale: Tensor | None, bounded: bool) -> BatchProblem:

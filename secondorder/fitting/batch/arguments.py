@@ -7,6 +7,7 @@ error that names the argument, the value and the fix.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,6 @@ __all__ = [
     "counts",
     "dtype_device",
     "feasible",
-    "inverse_sigma",
     "parameter_count",
     "per_fit",
     "short",
@@ -48,9 +48,12 @@ def short(value: Any) -> str:
 
 
 def dtype_device(
-    dtype: torch.dtype | None, device: Any, ydata: Any, p0: Any
+    dtype: torch.dtype | None, device: Any, ydata: Any, p0: Any, *, fix: str | None = None
 ) -> tuple[torch.dtype, torch.device]:
-    """The computation's dtype and device: given, else the data's, else float64 on the CPU."""
+    """The computation's dtype and device: given, else the data's, else float64 on the CPU.
+
+    ``fix``: what to do about data of another dtype (default: pass ``dtype=``).
+    """
     if dtype is not None and dtype not in (torch.float32, torch.float64):
         raise ValueError(f"Invalid dtype={dtype!r}: must be torch.float32 or torch.float64.")
     source = next((t for t in (ydata, p0) if isinstance(t, Tensor) and t.is_floating_point()), None)
@@ -58,8 +61,8 @@ def dtype_device(
         dtype = source.dtype if source is not None else torch.float64
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(
-                f"the data's dtype {dtype} is not supported: pass float32 or float64 "
-                "tensors, or dtype=torch.float32 / torch.float64"
+                f"the data's dtype {dtype} is not supported: "
+                + (fix or "pass float32 or float64 tensors, or dtype=torch.float32 / torch.float64")
             )
     try:
         dev = torch.device(device) if device is not None else None
@@ -67,6 +70,14 @@ def dtype_device(
         raise ValueError(f"Invalid device={device!r}: {exc}") from None
     if dev is None:
         dev = source.device if source is not None else torch.device("cpu")
+    if dev.type == "meta":
+        where = f"Invalid device={device!r}" if device is not None else "The data are on 'meta'"
+        raise ValueError(f"{where}: a fit computes numbers; pass data on a real device (cpu, cuda)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"Invalid device={str(dev)!r}: torch sees no CUDA device (torch "
+            f"{torch.__version__}); use device='cpu' or a CUDA build of torch on a GPU"
+        )
     return dtype, dev
 
 
@@ -96,11 +107,21 @@ def xdata(xdata: Any, dtype: torch.dtype, device: torch.device) -> Any:
 
 
 def per_fit(x: Any, flag: bool | None, b: int, m: int) -> bool:
-    """Whether ``xdata`` holds one row per fit: ``flag``, or its shape starting ``(B, m)``."""
+    """Whether ``xdata`` holds one row per fit: ``flag``, or its shape starting ``(B, m)``.
+
+    A 2-D ``(B, m)`` xdata is also scipy's shared ``(k, m)`` coordinates with ``k = B``:
+    with more than one fit, ``flag`` must then say which.
+    """
     if flag is not None and not isinstance(flag, bool):
         raise TypeError(f"xdata_per_fit must be None, True or False, got {flag!r}")
     leading = isinstance(x, Tensor) and x.ndim >= 2 and tuple(x.shape[:2]) == (b, m)
     if flag is None:
+        if leading and x.ndim == 2 and b > 1:
+            raise ValueError(
+                f"xdata of shape ({b}, {m}) with {b} fits of {m} points reads two ways: one "
+                f"row of x per fit, or scipy's shared (k, m) coordinates with k = {b}; pass "
+                "xdata_per_fit=True for the first, xdata_per_fit=False for the second"
+            )
         return leading
     if flag and not leading:
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -111,13 +132,36 @@ def per_fit(x: Any, flag: bool | None, b: int, m: int) -> bool:
 
 
 def parameter_count(f: Callable[..., Any], p0: Any) -> int:
-    """``n``: the last dimension of ``p0``, else the parameters of ``f`` after ``x``."""
-    if p0 is not None:
-        shape = tuple(p0.shape) if isinstance(p0, Tensor) else np.shape(p0)
-        if len(shape) not in (1, 2) or shape[-1] == 0:
-            raise ValueError(f"p0 must be (n,) or (B, n) with n > 0 parameters, got shape {shape}")
-        return int(shape[-1])
-    return count_params(f)
+    """``n``: the last dimension of ``p0``, else the parameters of ``f`` after ``x``.
+
+    Where ``f``'s signature fixes its parameters (no ``*args``), ``p0`` must match it.
+    """
+    if p0 is None:
+        return count_params(f)
+    shape = tuple(p0.shape) if isinstance(p0, Tensor) else np.shape(p0)
+    if len(shape) not in (1, 2) or shape[-1] == 0:
+        raise ValueError(f"p0 must be (n,) or (B, n) with n > 0 parameters, got shape {shape}")
+    n = int(shape[-1])
+    fixed = _fixed_params(f)
+    if fixed is not None and fixed != n:
+        raise ValueError(
+            f"p0 has {n} parameters per fit but f takes {fixed} after x; pass p0 of shape "
+            f"({fixed},) or (B, {fixed})"
+        )
+    return n
+
+
+def _fixed_params(f: Callable[..., Any]) -> int | None:
+    """The parameters ``f(x, p1, ..., pn)`` takes after ``x`` (``None``: not fixed)."""
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):
+        return None
+    kinds = [p.kind for p in sig.parameters.values()]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return max(0, sum(k in positional for k in kinds) - 1)
 
 
 def starts(
@@ -155,6 +199,8 @@ def bounds_pair(
         bounds = (-math.inf, math.inf)
     if hasattr(bounds, "lb") and hasattr(bounds, "ub"):  # scipy.optimize.Bounds
         bounds = (bounds.lb, bounds.ub)
+    if isinstance(bounds, (Tensor, np.ndarray)) and bounds.ndim >= 1 and bounds.shape[0] == 2:
+        bounds = (bounds[0], bounds[1])  # one array of (lb, ub), as scipy accepts
     if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
         raise ValueError(f"bounds must be a pair (lb, ub), got {short(bounds)}")
     sides = []
@@ -187,26 +233,6 @@ def feasible(p: Tensor, lb: Tensor, ub: Tensor) -> None:
             f"p0 is outside the bounds for fit {fit}: p0={p[fit].tolist()}, lb={lb[fit].tolist()}"
             f", ub={ub[fit].tolist()}; pass starts within the bounds"
         )
-
-
-def inverse_sigma(
-    sigma: Any, b: int, m: int, dtype: torch.dtype, device: torch.device
-) -> Tensor | None:
-    """``1/σ`` as a scalar, ``(m,)`` or ``(B, m)`` tensor; ``None`` without ``sigma``."""
-    if sigma is None:
-        return None
-    s = as_tensor("sigma", sigma, dtype, device)
-    if s.shape not in ((), (1,), (m,), (b, m)):
-        raise ValueError(
-            f"sigma must be a scalar, ({m},) or ({b}, {m}) standard deviations, got shape "
-            f"{tuple(s.shape)}"
-        )
-    if bool((s <= 0).any()):
-        raise ValueError(
-            "sigma must be > 0 everywhere (standard deviations of ydata); a fit with a "
-            "NaN sigma fails alone, a zero or negative one is refused"
-        )
-    return (1.0 / s).reshape(()) if s.numel() == 1 and s.shape != (b, m) else 1.0 / s
 
 
 def counts(y: Tensor) -> None:

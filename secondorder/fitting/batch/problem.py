@@ -64,8 +64,11 @@ class Objective:
         """``(w, u)``: ``A = Σ w·JJᵀ``, ``g = Σ u·J`` (``w = None`` for ones)."""
         if self.kind == "poisson":
             assert counts is not None
-            ratio = counts / f
-            return ratio / f, 1.0 - ratio
+            # A zero count where μ = 0 adds nothing to the deviance's curvature and
+            # ∂/∂μ(μ - 0) = 1 to its gradient (k/μ would be 0/0 there).
+            zero = counts == 0
+            ratio = torch.where(zero, 0.0, counts / f)
+            return torch.where(zero, 0.0, ratio / f), 1.0 - ratio
         if self.loss == "linear":
             return None, f
         z = (f / self.f_scale) ** 2
@@ -73,11 +76,17 @@ class Objective:
         w = torch.clamp(d1 + 2 * d2 * z, min=torch.finfo(f.dtype).eps)
         return w, f * d1
 
-    def report_weights(self, f: Tensor, counts: Tensor | None) -> Tensor | None:
-        """Weights of the Jacobian the covariance inverts (scipy's; Fisher's for Poisson)."""
+    def report_scale(self, f: Tensor, counts: Tensor | None) -> Tensor | None:
+        """``√w`` of the Jacobian's rows the covariance inverts (scipy's; Fisher's for Poisson).
+
+        For Poisson, ``1/√μ`` (``1/μ`` itself overflows for a subnormal μ in the tails);
+        a point where μ = 0 (its count is 0, else the fit failed) adds its limit there,
+        0, for a model whose ∂μ vanishes with μ.
+        """
         if self.kind == "poisson":
-            return 1.0 / f
-        return self.weights(f, counts)[0]
+            return torch.where(f == 0, 0.0, torch.rsqrt(f))
+        w = self.weights(f, counts)[0]
+        return None if w is None else w.clamp(min=0.0).sqrt()
 
 
 def _deviance(mu: Tensor, k: Tensor) -> Tensor:
@@ -179,9 +188,13 @@ class BatchProblem:
         out = self.fun(x, *self.rows)
         want = (x.shape[0], self.m)
         if not isinstance(out, Tensor) or out.dtype != x.dtype:
-            raise TypeError(
-                f"the residual function must return a {x.dtype} tensor of shape {want}, got "
+            got = (
                 f"{type(out).__name__}{'' if not isinstance(out, Tensor) else ' ' + str(out.dtype)}"
+            )
+            raise TypeError(
+                f"the model (f, or fun) must return a {x.dtype} tensor of shape {want}, the fits' "
+                f"dtype, got {got}: compute in the parameters' dtype (a float64 constant or "
+                "xdata promotes it), or run the fits in the other dtype"
             )
         if out.shape != want:
             try:
@@ -284,7 +297,7 @@ class BatchProblem:
     def report_jacobian(self, y: Tensor, f: Tensor) -> Tensor:
         """The weighted Jacobian the covariance inverts, ``(B, m, n)`` in ``x``."""
         J = self.jacobian_x(self.transform.to_x(y))
-        w = self.objective.report_weights(f, self.counts)
-        if w is not None:
-            J = J * w.clamp(min=0.0).sqrt()
+        scale = self.objective.report_scale(f, self.counts)
+        if scale is not None:
+            J = J * scale
         return J.permute(1, 2, 0)

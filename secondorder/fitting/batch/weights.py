@@ -1,0 +1,113 @@
+"""``sigma`` of :func:`~.api.curve_fit_batch`: how each fit's residuals are weighted.
+
+scipy's meanings, per fit: standard deviations (a scalar, ``(m,)`` shared or
+``(B, m)`` per fit) divide the residuals; a covariance of the data (``(m, m)``
+shared or ``(B, m, m)`` per fit, scipy's 2-D ``sigma``) whitens them, ``r = L⁻¹(f - y)``
+with ``C = LLᵀ``, so that ``½‖r‖² = ½(f - y)ᵀC⁻¹(f - y)``.  Both are linear maps of
+``f - y``, so the Jacobian is mapped the same way and the covariance of the
+parameters follows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .arguments import as_tensor
+
+__all__ = ["DataWeights", "data_weights"]
+
+
+@dataclass(frozen=True)
+class DataWeights:
+    """The map from ``f - y`` to the residuals: ``1/σ`` or ``L⁻¹``, shared or per fit.
+
+    ``value``: ``1/σ`` (0-d or ``(m,)`` shared, ``(B, m)`` per fit) or ``L⁻¹``
+    (``(m, m)`` shared, ``(B, m, m)`` per fit); ``per_fit``: whether its first axis
+    runs over the fits (then it travels with the fits' rows and arrives as ``row``).
+    """
+
+    value: Tensor
+    per_fit: bool
+    whitening: bool
+
+    def residuals(self, diff: Tensor, row: Tensor | None) -> Tensor:
+        """``diff`` ``(B, m)`` weighted; ``row``: this call's rows of a per-fit ``value``."""
+        w = row if self.per_fit else self.value
+        assert w is not None
+        if not self.whitening:
+            return diff * w
+        if self.per_fit:
+            return (w @ diff.unsqueeze(-1)).squeeze(-1)
+        return diff @ w.mT
+
+    def jacobian(self, J: Tensor, row: Tensor | None) -> Tensor:
+        """``J`` ``(B, m, n)`` (of ``f``) mapped as the residuals are."""
+        w = row if self.per_fit else self.value
+        assert w is not None
+        if not self.whitening:
+            return J * (w if w.ndim == 0 else w.reshape(-1, J.shape[1]))[..., None]
+        return w @ J
+
+
+def data_weights(
+    sigma: Any, b: int, m: int, dtype: torch.dtype, device: torch.device
+) -> DataWeights | None:
+    """``sigma`` checked and turned into :class:`DataWeights` (``None`` without one)."""
+    if sigma is None:
+        return None
+    s = as_tensor("sigma", sigma, dtype, device)
+    shapes = {(): "a scalar", (m,): f"({m},)", (b, m): f"({b}, {m})"}
+    covariances = {(m, m): f"({m}, {m})", (b, m, m): f"({b}, {m}, {m})"}
+    if s.shape == (1,):
+        s = s.reshape(())
+    if b == m and s.shape == (m, m):
+        raise ValueError(
+            f"sigma of shape ({m}, {m}) with {b} fits of {m} points reads two ways: per-fit "
+            f"standard deviations (B, m) or a covariance of the data (m, m), scipy's 2-D "
+            f"sigma; pass a per-fit covariance of shape ({b}, {m}, {m}) instead: "
+            "torch.diag_embed(sigma**2) for standard deviations, sigma.expand(B, m, m) for "
+            "one covariance shared by every fit"
+        )
+    if s.shape in covariances:
+        return _whitening(s, b, m)
+    if s.shape not in shapes:
+        raise ValueError(
+            f"sigma must be standard deviations (a scalar, ({m},) or ({b}, {m})) or "
+            f"covariances of ydata (({m}, {m}) or ({b}, {m}, {m})), got shape {tuple(s.shape)}"
+        )
+    if bool((s <= 0).any()):
+        raise ValueError(
+            "sigma must be > 0 everywhere (standard deviations of ydata); a fit with a "
+            "NaN sigma fails alone, a zero or negative one is refused"
+        )
+    return DataWeights(1.0 / s, per_fit=s.shape == (b, m) and s.ndim == 2, whitening=False)
+
+
+def _whitening(cov: Tensor, b: int, m: int) -> DataWeights:
+    """``L⁻¹`` of each covariance; refused where one is finite but not positive definite."""
+    per_fit = cov.ndim == 3
+    finite = torch.isfinite(cov).flatten(-2).all(-1)
+    asym = (cov - cov.mT).abs().flatten(-2).amax(-1)
+    scale = cov.abs().flatten(-2).amax(-1)
+    eps = torch.finfo(cov.dtype).eps
+    bad_sym = finite & (asym > 64 * eps * scale)
+    # A fit whose covariance holds NaN or inf fails alone: its L⁻¹ is NaN.
+    safe = torch.where(finite[..., None, None], cov, torch.eye(m, dtype=cov.dtype))
+    L, info = torch.linalg.cholesky_ex(safe)
+    bad_pd = finite & (info != 0)
+    for bad, what in ((bad_sym, "symmetric"), (bad_pd, "positive definite")):
+        if bool(bad.any()):
+            where = f" (fit {int(torch.nonzero(bad.reshape(-1))[0])})" if per_fit else ""
+            raise ValueError(
+                f"sigma as a covariance of ydata must be {what}{where}; for independent "
+                "errors pass their standard deviations, (m,) or (B, m)"
+            )
+    eye = torch.eye(m, dtype=cov.dtype, device=cov.device).expand_as(L)
+    inv_l = torch.linalg.solve_triangular(L, eye, upper=False)
+    inv_l = torch.where(finite[..., None, None], inv_l, math.nan)
+    return DataWeights(inv_l.contiguous(), per_fit=per_fit, whitening=True)

@@ -17,44 +17,47 @@ Linear(256,10), batches of 128) and the Linear layers of a transformer block (d_
 every step, eigen method (KAISA's default).
 
 kfac-pytorch is found as the module ``kfac``, else in the tree ``make bench-peers``
-unpacks under ``out/peers/src``; without it the section says how to install it.
+unpacks under ``out/peers/src``; without it the suite's section says how to install it,
+and the command line times ours alone.
+
+``--device cuda`` puts models and batches on the GPU and times rounds and stages by the
+wall clock between ``torch.cuda.synchronize()`` calls (the thread's CPU time does not see
+the GPU's work).  ``--tiny`` runs toy models at a frequency of at most 2 so that every
+path runs in seconds (``make gpu-check --dry-run``): its numbers measure nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
-import math
 import os
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from secondorder.compat.kfac.arguments import kaisa_modules
 from secondorder.kfac import KFAC
 
 from .core import Problem, Section
-from .workloads import mnist1d, mnist1d_cnn
+from .device_timing import Clock, device_words, to_device, warm_up
+from .kfac_peer_configs import CONFIGS, PeerConfig, configs, tiny
 
-__all__ = ["CONFIGS", "PeerConfig", "import_kaisa", "markdown", "run", "section"]
+__all__ = ["CONFIGS", "PeerConfig", "import_kaisa", "markdown", "run", "section", "tiny"]
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The stages both sides report, in seconds per step (means over the profiled round).
 STAGES = ("fwd+bwd", "factors", "inverses", "precondition", "sgd")
-#: The stages' clock: the calling thread's CPU time, which other processes on a shared
-#: machine disturb far less than the wall clock (with one torch thread, every kernel
-#: runs on the calling thread).
+#: The stages' clock on the CPU: the calling thread's CPU time, which other processes on
+#: a shared machine disturb far less than the wall clock (with one torch thread, every
+#: kernel runs on the calling thread).  On CUDA: :meth:`Clock.now`, synchronised wall time.
 CLOCK = time.thread_time
 
 
@@ -74,116 +77,13 @@ def import_kaisa() -> ModuleType | None:
     return None
 
 
-class BlockLinears(nn.Module):
-    """A pre-norm transformer block whose Linear layers see tokens as rows.
-
-    ``(B, T, d)`` in and out; the four Linear layers (qkv ``d→3d``, output ``d→d``, MLP
-    ``d→4d→d``) are applied to the ``(B·T, d)`` rows, so that each token is one sample
-    for both K-FAC implementations (KAISA averages a Linear layer's G over extra
-    dimensions where secondorder sums them per sample: with rows, both agree).
-    """
-
-    def __init__(self, d: int, heads: int, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        h = self.qkv(self.ln1(x).reshape(b * t, d))
-        q, k, v = h.reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(att.transpose(1, 2).reshape(b * t, d)).reshape(b, t, d)
-        m = self.fc2(F.gelu(self.fc1(self.ln2(x).reshape(b * t, d))))
-        return x + m.reshape(b, t, d)
-
-
-@dataclass(frozen=True)
-class PeerConfig:
-    """One side-by-side configuration: model, batches and KAISA's hyperparameters."""
-
-    key: str
-    title: str
-    model: Callable[[], nn.Module]
-    batches: Callable[[], list[tuple[Tensor, Tensor]]]
-    loss: Callable[[Tensor, Tensor], Tensor]
-    every: int
-    steps: int  # per side per round (a multiple of ``every``: same work each round)
-    lr: float = 0.1
-    damping: float = 0.003
-    kl_clip: float = 0.001
-    factor_decay: float = 0.95
-    compute_method: str = "eigen"
-
-
-def _cnn_batches() -> list[tuple[Tensor, Tensor]]:
-    (x, y), _ = mnist1d(5000)
-    return [(x[i : i + 128], y[i : i + 128]) for i in range(0, x.shape[0] - 127, 128)]
-
-
-def _block_model(d: int) -> Callable[[], nn.Module]:
-    return lambda: BlockLinears(d, heads=8)
-
-
-def _block_batches(d: int, b: int = 8, t: int = 64, n: int = 8) -> list[tuple[Tensor, Tensor]]:
-    # a fixed random teacher: the block learns to map random inputs to its outputs
-    gen = torch.Generator().manual_seed(1)
-    teacher = torch.randn(d, d, generator=gen) / math.sqrt(d)
-    out = []
-    for _ in range(n):
-        x = torch.randn(b, t, d, generator=gen)
-        out.append((x, torch.tanh(x @ teacher)))
-    return out
-
-
-def _mse(out: Tensor, y: Tensor) -> Tensor:
-    return F.mse_loss(out, y)
-
-
-def configs(quick: bool = True) -> list[PeerConfig]:
-    """The configurations; ``quick`` runs fewer steps per round of the slow ones."""
-    cnn = mnist1d_cnn()
-    d = 512
-    out = []
-    for method in ("eigen", "inverse"):
-        for every, steps in ((10, 20), (1, 4 if quick else 10)):
-            out.append(
-                PeerConfig(
-                    key=f"cnn_{method}_every{every}",
-                    title=f"MNIST-1D CNN, batch 128, {method}, every {every}",
-                    model=cnn,
-                    batches=_cnn_batches,
-                    loss=F.cross_entropy,
-                    every=every,
-                    steps=steps,
-                    compute_method=method,
-                )
-            )
-        for every, steps in ((10, 10), (1, 2 if quick else 5)):
-            out.append(
-                PeerConfig(
-                    key=f"block{d}_{method}_every{every}",
-                    title=f"transformer block d={d} (MLP 4x), 512 tokens, {method}, every {every}",
-                    model=_block_model(d),
-                    batches=functools.partial(_block_batches, d),
-                    loss=_mse,
-                    every=every,
-                    steps=steps,
-                    lr=0.05,
-                    compute_method=method,
-                )
-            )
-    return out
-
-
-CONFIGS = configs()
-
-
 @contextlib.contextmanager
-def _timed(objs: list[Any], names: dict[str, str], out: dict[str, float]) -> Iterator[None]:
+def _timed(
+    objs: list[Any],
+    names: dict[str, str],
+    out: dict[str, float],
+    clock: Callable[[], float] = CLOCK,
+) -> Iterator[None]:
     """Add the time of every call of ``obj.<attr>`` to ``out[label]`` (instance shadows)."""
     saved: list[tuple[Any, str]] = []
     for obj in objs:
@@ -193,11 +93,11 @@ def _timed(objs: list[Any], names: dict[str, str], out: dict[str, float]) -> Ite
                 continue
 
             def wrapped(*a: Any, _fn: Any = fn, _label: str = label, **k: Any) -> Any:
-                t0 = CLOCK()
+                t0 = clock()
                 try:
                     return _fn(*a, **k)
                 finally:
-                    out[_label] += CLOCK() - t0
+                    out[_label] += clock() - t0
 
             setattr(obj, attr, wrapped)
             saved.append((obj, attr))
@@ -211,10 +111,13 @@ def _timed(objs: list[Any], names: dict[str, str], out: dict[str, float]) -> Ite
 class Side:
     """One implementation's run: model, preconditioner, SGD and its place in the batches."""
 
-    def __init__(self, cfg: PeerConfig, name: str, kaisa: ModuleType | None) -> None:
+    def __init__(
+        self, cfg: PeerConfig, name: str, kaisa: ModuleType | None, clock: Clock | None = None
+    ) -> None:
         self.cfg, self.name = cfg, name
-        self.model = cfg.model()
-        self.batches = cfg.batches()
+        self.clock = clock or Clock(torch.device("cpu"))
+        self.model = cfg.model().to(self.clock.device)
+        self.batches = to_device(cfg.batches(), self.clock.device)
         self.i = 0
         self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=0.9)
         common: dict[str, Any] = {
@@ -242,6 +145,7 @@ class Side:
 
     def steps(self, n: int, stages: dict[str, float] | None = None) -> tuple[float, float]:
         """Run ``n`` steps: their wall and CPU time (stages added into ``stages`` if given)."""
+        self.clock.sync()
         t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(n):
             x, y = self.batches[self.i % len(self.batches)]
@@ -250,6 +154,7 @@ class Side:
                 self._step(x, y)
             else:
                 self._profiled(x, y, stages)
+        self.clock.sync()
         return time.perf_counter() - t0, time.thread_time() - c0
 
     def _step(self, x: Tensor, y: Tensor) -> None:
@@ -279,17 +184,18 @@ class Side:
                 "compute_a_inv": "inverses",
                 "compute_g_inv": "inverses",
             }
-        with _timed(objs, names, spent), _timed(layers, hooked, spent):
-            t0 = CLOCK()
+        now = self.clock.now
+        with _timed(objs, names, spent, now), _timed(layers, hooked, spent, now):
+            t0 = now()
             self.opt.zero_grad(set_to_none=True)
             self.cfg.loss(self.model(x), y).backward()
-            t1 = CLOCK()
+            t1 = now()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.pre.step()
-            t2 = CLOCK()
+            t2 = now()
             self.opt.step()
-            t3 = CLOCK()
+            t3 = now()
         st["fwd+bwd"] += (t1 - t0) - spent["hook"]
         st["factors"] += spent["hook"] + spent["factors"]
         st["inverses"] += spent["inverses"]
@@ -303,62 +209,109 @@ class Side:
             return float(self.cfg.loss(self.model(x), y))
 
 
-def run_config(cfg: PeerConfig, kaisa: ModuleType, rounds: int) -> dict[str, Any]:
-    """Interleaved rounds of ``cfg``: per-round times, their ratios and both final losses."""
-    ours, ref = Side(cfg, "ours", None), Side(cfg, "kfac-pytorch", kaisa)
+def run_config(
+    cfg: PeerConfig, kaisa: ModuleType | None, rounds: int, clock: Clock | None = None
+) -> dict[str, Any]:
+    """Interleaved rounds of ``cfg``: per-round times, their ratios and both final losses.
+
+    Without ``kaisa``, ours alone: its times, stages and loss.
+    """
+    sides = [Side(cfg, "ours", None, clock)]
+    if kaisa is not None:
+        sides.append(Side(cfg, "kfac-pytorch", kaisa, clock))
     # one round untimed: first-call allocations and lazy set-up on both sides
-    ours.steps(cfg.steps)
-    ref.steps(cfg.steps)
-    t_ours, t_ref, ratio, cpu_ratio = [], [], [], []
+    for side in sides:
+        side.steps(cfg.steps)
+    wall: dict[str, list[float]] = {side.name: [] for side in sides}
+    cpu: dict[str, list[float]] = {side.name: [] for side in sides}
     for r in range(rounds):
-        if r % 2:
-            b, cb = ref.steps(cfg.steps)
-            a, ca = ours.steps(cfg.steps)
-        else:
-            a, ca = ours.steps(cfg.steps)
-            b, cb = ref.steps(cfg.steps)
-        t_ours.append(a / cfg.steps)
-        t_ref.append(b / cfg.steps)
-        ratio.append(a / b)
-        cpu_ratio.append(ca / cb)
-    st_ours, st_ref = dict.fromkeys(STAGES, 0.0), dict.fromkeys(STAGES, 0.0)
-    ours.steps(cfg.steps, st_ours)
-    ref.steps(cfg.steps, st_ref)
-    loss_ours, loss_ref = ours.loss(), ref.loss()
-    return {
+        for side in sides[::-1] if r % 2 else sides:
+            a, ca = side.steps(cfg.steps)
+            wall[side.name].append(a)
+            cpu[side.name].append(ca)
+    stages = {side.name: dict.fromkeys(STAGES, 0.0) for side in sides}
+    for side in sides:
+        side.steps(cfg.steps, stages[side.name])
+    out: dict[str, Any] = {
         "key": cfg.key,
         "title": cfg.title,
         "steps_per_round": cfg.steps,
         "rounds": rounds,
         "steps_run": cfg.steps * (rounds + 2),
-        "ours_s": statistics.median(t_ours),
-        "ref_s": statistics.median(t_ref),
-        "ratio_median": statistics.median(ratio),
-        "ratios": ratio,
-        "cpu_ratio_median": statistics.median(cpu_ratio),
-        "cpu_ratios": cpu_ratio,
-        "stages_ours": {k: v / cfg.steps for k, v in st_ours.items()},
-        "stages_ref": {k: v / cfg.steps for k, v in st_ref.items()},
-        "loss_ours": loss_ours,
-        "loss_ref": loss_ref,
+        "ours_s": statistics.median(wall["ours"]) / cfg.steps,
+        "stages_ours": {k: v / cfg.steps for k, v in stages["ours"].items()},
+        "loss_ours": sides[0].loss(),
     }
+    if kaisa is not None:
+        ratio = [a / b for a, b in zip(wall["ours"], wall["kfac-pytorch"], strict=True)]
+        cpu_ratio = [a / b for a, b in zip(cpu["ours"], cpu["kfac-pytorch"], strict=True)]
+        out |= {
+            "ref_s": statistics.median(wall["kfac-pytorch"]) / cfg.steps,
+            "ratio_median": statistics.median(ratio),
+            "ratios": ratio,
+            "cpu_ratio_median": statistics.median(cpu_ratio),
+            "cpu_ratios": cpu_ratio,
+            "stages_ref": {k: v / cfg.steps for k, v in stages["kfac-pytorch"].items()},
+            "loss_ref": sides[1].loss(),
+        }
+    return out
 
 
 def run(
-    quick: bool = True, rounds: int | None = None, keys: list[str] | None = None
+    quick: bool = True,
+    rounds: int | None = None,
+    keys: list[str] | None = None,
+    *,
+    device: str = "cpu",
+    toy: bool = False,
+    alone: bool = False,
+    budget_s: float | None = None,
+    keep_going: bool = False,
 ) -> dict[str, Any]:
-    """Every configuration (or ``keys``); ``{"skipped": why}`` without kfac-pytorch."""
+    """Every configuration (or ``keys``) on ``device``; ``toy`` at :func:`tiny` sizes.
+
+    Without kfac-pytorch, ``{"skipped": why}``, or ours timed alone if ``alone``.  No
+    configuration starts once ``budget_s`` seconds have passed.  With ``keep_going``, a
+    configuration that raises is listed as failed (``"failed": True``) and the next run.
+    """
     kaisa = import_kaisa()
-    if kaisa is None:
+    if kaisa is None and not alone:
         return {"skipped": "kfac-pytorch is not importable: run `make bench-peers`."}
-    n = rounds if rounds is not None else (5 if quick else 9)
+    n = rounds if rounds is not None else (1 if toy else 5 if quick else 9)
+    clock = Clock(torch.device(device))
+    warm_up(clock.device)
+    started = time.perf_counter()
     load_before = os.getloadavg()[0]
-    rows = [run_config(cfg, kaisa, n) for cfg in configs(quick) if keys is None or cfg.key in keys]
+    rows, skipped, failed = [], [], False
+    for cfg in configs(quick):
+        if keys is not None and cfg.key not in keys:
+            continue
+        if budget_s is not None and time.perf_counter() - started > budget_s:
+            skipped.append(f"{cfg.title}: --budget-s {budget_s:g} spent")
+            continue
+        try:
+            rows.append(run_config(tiny(cfg) if toy else cfg, kaisa, n, clock))
+        except ModuleNotFoundError as exc:
+            if exc.name != "mnist1d":
+                raise
+            skipped.append(f"{cfg.title}: mnist1d is not installed")
+        except Exception as exc:
+            if not keep_going:
+                raise
+            skipped.append(f"{cfg.title}: failed: {type(exc).__name__}: {exc}")
+            failed = True
     return {
         "load": [load_before, os.getloadavg()[0]],
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        "kfac_pytorch": getattr(sys.modules.get("kfac"), "__version__", "?"),
+        "kfac_pytorch": None
+        if kaisa is None
+        else getattr(sys.modules.get("kfac"), "__version__", "?"),
+        "device": device_words(clock.device),
+        "clock": clock.name,
+        "tiny": toy,
+        "skipped_configs": skipped,
+        "failed": failed,
         "configs": rows,
     }
 
@@ -367,36 +320,66 @@ def markdown(data: dict[str, Any]) -> list[str]:
     """The side-by-side table and the per-stage table."""
     if "skipped" in data:
         return [f"Side by side with kfac-pytorch (KAISA): skipped ({data['skipped']})", ""]
-    lines = [
-        f"Side by side with kfac-pytorch (KAISA) {data['kfac_pytorch']}, one process, "
-        f"{data['threads']} thread(s), load average {data['load'][0]:.1f} before and "
-        f"{data['load'][1]:.1f} after on {data['cores']} cores: ours/reference step time, "
-        "median over interleaved rounds (each side's steps per round in brackets) by the "
-        "wall clock and by the thread's CPU time (which other work on a shared machine "
-        "disturbs less), and the loss of both on the first batch after the run.",
-        "",
-        "| configuration | ours s/step | KAISA s/step | ours / KAISA, wall (rounds) "
-        "| ours / KAISA, CPU | loss (ours, KAISA) |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
-    for r in data["configs"]:
-        each = ", ".join(f"{x:.2f}" for x in r["ratios"])
-        lines.append(
-            f"| {r['title']} [{r['steps_per_round']}] | {r['ours_s']:.4f} | {r['ref_s']:.4f} "
-            f"| **{r['ratio_median']:.2f}** ({each}) | {r['cpu_ratio_median']:.2f} "
-            f"| {r['loss_ours']:.4f}, {r['loss_ref']:.4f} |"
-        )
+    cuda = data.get("clock") == "wall"
+    peer = data["kfac_pytorch"] is not None
+    setting = (
+        f"one process, {data['threads']} thread(s), load average {data['load'][0]:.1f} "
+        f"before and {data['load'][1]:.1f} after on {data['cores']} cores"
+    )
+    how = "median over interleaved rounds (each side's steps per round in brackets) by the " + (
+        "wall clock between torch.cuda.synchronize() calls"
+        if cuda
+        else "wall clock and by the thread's CPU time (which other work on a shared machine "
+        "disturbs less)"
+    )
+    if peer:
+        on = f" on {data['device']}" if cuda else ""
+        lines = [
+            f"Side by side with kfac-pytorch (KAISA) {data['kfac_pytorch']}{on}, {setting}: "
+            f"ours/reference step time, {how}, and the loss of both on the first batch "
+            "after the run."
+        ]
+    else:
+        lines = [
+            "kfac-pytorch (KAISA) is not installed (`make bench-peers`, or `make gpu-wheels` "
+            f"for `make gpu-check`): ours alone on {data['device']}, {setting}: step time, "
+            f"{how}, and the loss on the first batch after the run."
+        ]
+    if data.get("tiny"):
+        lines.append("--tiny: toy models and frequencies, a check of the script; nothing measured.")
     lines += [
         "",
-        "Stages (CPU s/step, one profiled round per side; factors include the hooks' statistics):",
+        "| configuration | ours s/step | KAISA s/step | ours / KAISA, wall (rounds) "
+        + ("" if cuda else "| ours / KAISA, CPU ")
+        + "| loss (ours, KAISA) |",
+        "|---|---:|---:|---:|" + ("" if cuda else "---:|") + "---|",
+    ]
+    for r in data["configs"]:
+        head = f"| {r['title']} [{r['steps_per_round']}] | {r['ours_s']:.4f} |"
+        if not peer:
+            cells = " not installed | - |" + ("" if cuda else " - |")
+            lines.append(f"{head}{cells} {r['loss_ours']:.4f}, - |")
+            continue
+        each = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        cpu = "" if cuda else f" {r['cpu_ratio_median']:.2f} |"
+        lines.append(
+            f"{head} {r['ref_s']:.4f} | **{r['ratio_median']:.2f}** ({each}) |{cpu} "
+            f"{r['loss_ours']:.4f}, {r['loss_ref']:.4f} |"
+        )
+    lines += [f"| {why} |" for why in data.get("skipped_configs", [])]
+    clock = "wall s/step, synchronised around each stage" if cuda else "CPU s/step"
+    lines += [
+        "",
+        f"Stages ({clock}, one profiled round per side; factors include the hooks' statistics):",
         "",
         "| configuration | side | " + " | ".join(STAGES) + " |",
         "|---|---|" + "---:|" * len(STAGES),
     ]
     for r in data["configs"]:
         for side, key in (("ours", "stages_ours"), ("KAISA", "stages_ref")):
-            cells = " | ".join(f"{r[key][s]:.4f}" for s in STAGES)
-            lines.append(f"| {r['key']} | {side} | {cells} |")
+            if key in r:
+                cells = " | ".join(f"{r[key][s]:.4f}" for s in STAGES)
+                lines.append(f"| {r['key']} | {side} | {cells} |")
     return [*lines, ""]
 
 
@@ -428,7 +411,10 @@ def section() -> Section:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.kfac_peer [--full] [--rounds N] [--threads T] [keys...]``."""
+    """``python -m benchmarks.kfac_peer [--full] [--rounds N] [--threads T] [keys...]``.
+
+    Without kfac-pytorch, ours is timed alone.
+    """
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -436,11 +422,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes: a check, not a measurement")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no config after this")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("Invalid --device=cuda: torch sees no CUDA device; pass --device cpu")
     torch.set_num_threads(args.threads)
-    data = run(not args.full, args.rounds, args.keys or None)
+    data = run(
+        not args.full,
+        args.rounds,
+        args.keys or None,
+        device=args.device,
+        toy=args.tiny,
+        alone=True,
+        budget_s=args.budget_s,
+        keep_going=True,
+    )
     print("\n".join(markdown(data)))
-    return 0
+    return 1 if data.get("failed") else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

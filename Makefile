@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # own index: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_INDEX ?=
 
-.PHONY: venv demo bench bench-quick bench-cuda gpu-check test-cuda scaling bench-kfac bench-shampoo bench-peers scaling-shampoo reliability test test-slow lint typecheck format clean
+.PHONY: venv demo bench bench-quick bench-cuda gpu-check gpu-wheels test-cuda scaling bench-kfac bench-shampoo bench-peers scaling-shampoo reliability test test-slow lint typecheck format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,26 @@ bench-cuda: $(VENV)/.bench
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check installs there (its machine fetches nothing; carry .whl with the
+# tree): torch-levenberg-marquardt and mnist1d from PyPI, kfac-pytorch and
+# DistributedShampoo (torch-shampoo) built from the archives in PEERS_DIR, pinned as in
+# benchmarks/peers.py.  All py3-none-any; their Requires-Dist (torch, lightning, numpy,
+# scipy, matplotlib, requests) are on the GPU machine already, so nothing else is needed.
+PEERS_DIR ?= $(firstword $(wildcard ../shared/peers ../../shared/peers) ../shared/peers)
+PEER_ARCHIVES := kfac-pytorch-869cf11 optimizers-f606606
+WHL := .whl
+gpu-wheels: venv
+	rm -rf $(WHL) $(WHL).build && mkdir -p $(WHL)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d $(WHL) \
+		torch-levenberg-marquardt==1.2.3 mnist1d==0.0.2.post1
+	for a in $(PEER_ARCHIVES); do \
+		mkdir -p $(WHL).build/$$a && tar -xzf $(PEERS_DIR)/$$a.tar.gz -C $(WHL).build/$$a && \
+		$(PY) -m pip wheel -q --no-deps --ignore-requires-python -w $(WHL) $(WHL).build/$$a/src \
+		|| exit 1; \
+	done
+	rm -rf $(WHL).build
+	ls $(WHL)
 
 scaling: venv
 	$(PY) -m benchmarks.scaling

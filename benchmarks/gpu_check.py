@@ -163,9 +163,9 @@ STEPS: list[Step] = [
     Step(
         "kfac-peers",
         "K-FAC against kfac-pytorch (KAISA)",
-        ("benchmarks.kfac_peer", "--device", "cuda", "--rounds", "3", "--budget-s", "20",
+        ("benchmarks.kfac_peer", "--device", "cuda", "--rounds", "3", "--budget-s", "15",
          *_KFAC_CONFIGS),
-        ("benchmarks.kfac_peer", "--device", "cpu", "--tiny", "--budget-s", "20",
+        ("benchmarks.kfac_peer", "--device", "cpu", "--tiny", "--budget-s", "15",
          *_KFAC_CONFIGS),
         40.0,
     ),

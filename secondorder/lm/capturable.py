@@ -140,6 +140,19 @@ def _moves(system: NormalEquations, finite: Tensor, gtol: float) -> Tensor:
     return finite & (torch.where(rnorm > 0, ratio, 0.0) > gtol)
 
 
+def _kept_scale(scale: Tensor | None, state: DeviceDamping, moves: Tensor) -> Tensor | None:
+    """``scale`` where the point moves, else the stored one (zeros where none is yet).
+
+    A zero scale is no scale: the next running maximum is the next linearisation's.
+    """
+    if scale is None:
+        return None
+    old = state.scale
+    if old is None or old.shape != scale.shape:
+        old = torch.zeros_like(scale)
+    return torch.where(moves, scale, old)
+
+
 def _sequence(
     rule: DampingRule, state: DeviceDamping, config: EngineConfig, count: int
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -252,6 +265,11 @@ def device_iteration(
     col = system.col_sq if system.scale_sq is None else system.scale_sq
     scale = matrix.device_scale(col, state)
     d = matrix.device_diagonal(col if scale is None else scale, state, config.damping_min)
+    # Moré's scale moves only where the default step would measure it: at a finite
+    # point that the gtol test does not stop at.
+    scale = _kept_scale(scale, state, moves)
+    # Attempts past max_attempts are never reached: the default step stops before.
+    candidates = min(candidates, config.max_attempts)
     if candidates == 1:
         head = _Head(problem, x, system, rule, state, config, reducer, lr, count, loss0)
         return _one_attempt(head, d, finite, moves, scale)
@@ -282,7 +300,7 @@ def device_iteration(
     status = evaluated * (2.0 * ftol_hit + 3.0 * xtol_hit - (ftol_hit & xtol_hit).to(wide))
     over = overs[1:] > 0
     ends = accept | (status > 0) | (~accept & over)
-    if candidates >= config.max_attempts:
+    if candidates == config.max_attempts:
         ends[-1] = True  # attempts exhausted: the default step stops here too
     first = torch.where(ends, torch.arange(candidates, device=x.device), candidates).min()
     at = first.clamp(max=candidates - 1).reshape(1)
@@ -385,7 +403,9 @@ def _one_attempt(
     nu_new = torch.where(took, nu_acc, torch.where(moves | ~finite, nu_rej, nu))
     gtol_hit = finite & ~moves
     status = torch.where(gtol_hit, 1.0, torch.where(moves, status, 0.0))
-    stop = gtol_hit | (moves & ((status > 0) | (~accept & over)))
+    # With max_attempts=1 a rejection exhausts the attempts, as in the default step.
+    exhausted = ~accept & (over | (config.max_attempts == 1))
+    stop = gtol_hit | (moves & ((status > 0) | exhausted))
     report = torch.stack(
         [
             torch.where(took, loss1, loss0) / h.count,

@@ -192,11 +192,16 @@ def _solve(m: Tensor, shift: Tensor, b: Tensor) -> Tensor:
 
 
 def _directions(
-    system: NormalEquations, d: Tensor, lams: list[Tensor], dtype: torch.dtype
+    system: NormalEquations,
+    d: Tensor,
+    lams: list[Tensor],
+    dtype: torch.dtype,
+    matrix_dtype: torch.dtype | None = None,
 ) -> tuple[list[Tensor], list[Tensor | None]]:
     """The steps ``(JᵀJ + λₖD)⁻¹(-Jᵀr)`` (NaN where Cholesky failed) and their ``Jδ``.
 
-    The dual form solves ``(Js Jsᵀ + λₖI) yₖ = -r`` and has ``Jδₖ = Js Jsᵀ yₖ``; the
+    The dual form solves ``(Js Jsᵀ + λₖI) yₖ = -r`` and has ``Jδₖ = Js Jsᵀ yₖ``, with
+    ``Js Jsᵀ`` formed in ``matrix_dtype`` (the step's precision; ``None``: J's own); the
     primal form leaves ``Jδ`` to the Gram (``None``).  The default step's operations,
     one λ at a time.
     """
@@ -204,7 +209,7 @@ def _directions(
     images: list[Tensor | None] = []
     if system.dual:
         assert system.jac is not None and system.residuals is not None
-        rows = _ScaledRows(system.jac, d, system.jac.dtype)
+        rows = _ScaledRows(system.jac, d, matrix_dtype or system.jac.dtype)
         w = -system.residuals
         for lam in lams:
             y = _solve(rows.k, lam, w)
@@ -250,12 +255,14 @@ def device_iteration(
     reducer: Reducer,
     lr: float,
     candidates: int,
+    matrix_dtype: torch.dtype | None = None,
 ) -> DeviceOutcome:
     """One LM iteration from ``x`` whose decisions are tensor operations (see the module).
 
     Nothing is written: ``x`` is not modified and :meth:`DeviceOutcome.commit` stores
     the new state (the caller does once the model is written).  The report's losses are
-    means over the system's residual count.
+    means over the system's residual count.  ``matrix_dtype``: the dtype the dual
+    matrix is formed in (the step's precision; the primal Gram comes formed).
     """
     count = max(system.count, 1)
     wide = torch.float64
@@ -271,10 +278,13 @@ def device_iteration(
     # Attempts past max_attempts are never reached: the default step stops before.
     candidates = min(candidates, config.max_attempts)
     if candidates == 1:
-        head = _Head(problem, x, system, rule, state, config, reducer, lr, count, loss0)
+        head = _Head(
+            problem, x, system, rule, state, config, reducer, lr, count, loss0, matrix_dtype
+        )
         return _one_attempt(head, d, finite, moves, scale)
     lams, nus, overs = _sequence(rule, state, config, candidates)
-    steps, images = _directions(system, d, list(lams[:candidates].unbind()), x.dtype)
+    lam_list = list(lams[:candidates].unbind())
+    steps, images = _directions(system, d, lam_list, x.dtype, matrix_dtype)
     if lr != 1.0:
         steps = [lr * v for v in steps]
         images = [None if im is None else lr * im for im in images]
@@ -357,6 +367,7 @@ class _Head:
     lr: float
     count: int
     loss0: Tensor
+    matrix_dtype: torch.dtype | None
 
 
 def _one_attempt(
@@ -365,7 +376,7 @@ def _one_attempt(
     """:func:`device_iteration` with one candidate: the same decisions, fewer operations."""
     wide, config, state, x, loss0 = torch.float64, h.config, h.state, h.x, h.loss0
     lam, nu = state.damping, state.nu
-    (delta,), (image,) = _directions(h.system, d, [lam], x.dtype)
+    (delta,), (image,) = _directions(h.system, d, [lam], x.dtype, h.matrix_dtype)
     if h.lr != 1.0:
         delta = h.lr * delta
         image = None if image is None else h.lr * image

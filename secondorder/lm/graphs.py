@@ -206,6 +206,7 @@ class CapturableSteps:
             reducer=fn.reducer,
             lr=lr,
             candidates=self.candidates,
+            matrix_dtype=setup.precision.dtype,
         )
         write(out.x, out.accepted, setup.inputs)
         out.commit(self.state)

@@ -116,3 +116,26 @@ def test_a_batch_stopped_by_gtol_leaves_the_more_scale_alone() -> None:
     for _ in range(3):
         a.step(x, y), b.step(x, y)
     torch.testing.assert_close(_flat(b_model), _flat(a_model), atol=ATOL, rtol=0.0)
+
+
+# -- the dual matrix's dtype ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gram_dtype", [torch.float64, "auto", torch.float32])
+def test_the_dual_matrix_is_formed_in_the_steps_precision(gram_dtype: Any) -> None:
+    # A float32 model in the dual form.  Without λ read on the host, "auto" forms the
+    # matrix in float64 (and says so): the default step asked for float64 is the reference.
+    x, y = _sinc(64)
+    x, y = x[::5][:12].float(), y[::5][:12].float()
+    reference = torch.float64 if gram_dtype == "auto" else gram_dtype
+    a_model, b_model = _mlp(32, torch.float32), _mlp(32, torch.float32)
+    a = so.LevenbergMarquardt(a_model, form="dual", damping=1e-4, gram_dtype=reference)
+    b = so.LevenbergMarquardt(
+        b_model, form="dual", damping=1e-4, gram_dtype=gram_dtype, capturable=True, candidates=10
+    )
+    for _ in range(6):
+        ia, ib = a.step(x, y), b.step(x, y)
+        assert ib.gram_dtype == ia.gram_dtype == str(reference).replace("torch.", "")
+        assert int(ib.attempts) == ia.attempts
+        torch.testing.assert_close(_flat(b_model), _flat(a_model), atol=1e-6, rtol=0.0)
+        assert float(ib.damping) == pytest.approx(ia.damping, rel=1e-6)

@@ -45,7 +45,7 @@ class StepRun:
     """One capturable step: its report (a new float64 vector), the problem and how it ran.
 
     ``precision``: the Gram's; ``checked``: ``(stopped, status)`` as read on a check
-    step (``None`` on the others).
+    step (``None`` on the others: the optimizer reads it once the step is done).
     """
 
     report: Tensor
@@ -65,8 +65,12 @@ class _Graph:
     count: int
 
 
-def _key(setup: BatchSetup, lr: float) -> tuple[Any, ...]:
-    """What a captured step depends on besides the values it reads."""
+def _key(setup: BatchSetup, lr: float, modes: tuple[bool, ...]) -> tuple[Any, ...]:
+    """What a captured step depends on besides the values it reads.
+
+    ``modes``: ``training`` of each of the model's modules (a BatchNorm or Dropout
+    runs other operations in ``eval()``).
+    """
     leaves, spec = tree_flatten((setup.inputs, setup.targets))
     shapes = tuple(
         (tuple(t.shape), t.dtype, t.device, t.stride()) if isinstance(t, Tensor) else t
@@ -76,6 +80,7 @@ def _key(setup: BatchSetup, lr: float) -> tuple[Any, ...]:
         str(spec),
         shapes,
         lr,
+        modes,
         setup.form,
         setup.solver.name,
         type(setup.strategy).__name__,
@@ -128,9 +133,19 @@ class CapturableSteps:
         return stopped > 0, int(status)
 
     def load(self, state: DampingState) -> None:
-        """Take λ, ν and the scale of a checkpoint, in place."""
+        """Take λ, ν and the scale of a checkpoint, in place; forget a pending stop.
+
+        A stop decided before the load belongs to the run that was replaced.
+        """
         self.state.load_(state)
         self.host_damping = float(state.damping)
+        self.stop_seen.fill_(False)
+        self.stop_status.fill_(0.0)
+
+    def key(self, setup: BatchSetup, lr: float) -> tuple[Any, ...]:
+        """What the step on ``setup`` is captured for (a graph is kept per key)."""
+        modes = tuple(m.training for m in self.function.model.modules())
+        return _key(setup, lr, modes)
 
     def forget_graphs(self) -> None:
         """Drop every captured step (the state they read was replaced)."""
@@ -155,9 +170,8 @@ class CapturableSteps:
         lr: float,
         rule: PrecisionRule,
         write: Callable[[Tensor, Tensor, Any], None],
-        check: bool,
     ) -> StepRun:
-        """One step of the optimizer: the Gram's precision, the run, then any check.
+        """One step of the optimizer: the Gram's precision, then the run (no check).
 
         λ as last read on the host picks the Gram's dtype under ``gram_dtype="auto"``;
         rows kept between steps and a kept forward pass are decided on the host, so
@@ -172,7 +186,6 @@ class CapturableSteps:
             precision = rule.dual(damping, None)
         run = self.run(replace(setup, precision=precision, pool_rows=False), lr, write)
         run.precision = precision
-        run.checked = self.check() if check else None
         return run
 
     def run(
@@ -181,7 +194,7 @@ class CapturableSteps:
         """One capturable step; ``write(x, accepted, inputs)`` updates the model."""
         why = self.why_eager(setup)
         if why is None:
-            key = _key(setup, lr)
+            key = self.key(setup, lr)
             why = self._failed.get(key)
             if why is None:
                 return self._graphed(key, setup, lr, write)

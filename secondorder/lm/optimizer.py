@@ -216,6 +216,8 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         #: The small-batch warning's memory (given once per optimizer).
         self._small_batch = SmallBatchWatch()
         self._batch_marker: Tensor | None = None
+        #: Whether the step in progress is applied (it then survives an interrupt).
+        self._done = False
         #: The capturable step's device state and graphs (``capturable=True`` only).
         self._device: CapturableSteps | None = None
         if cfg.capturable:
@@ -357,7 +359,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         call only.  The model's parameters are written only if a step is accepted; if anything
         raises during the step (the model, the residual function, an interrupt, in any
         attempt), they and the optimizer's state (λ, ν, Moré's scale, the step count,
-        ``jacobian="auto"``'s choices) are exactly as before.  Under
+        ``jacobian="auto"``'s choices) are exactly as before (with ``capturable=True``,
+        an interrupt in a check step's host read comes after the step is applied: the
+        step stays done and the next check reads its stop flag).  Under
         ``torch.no_grad()`` or ``torch.inference_mode()`` the step is the same: it
         needs gradients and turns them on for its own duration.
         """
@@ -367,6 +371,7 @@ class LevenbergMarquardt(torch.optim.Optimizer):
             (t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)), None
         )
         saved = self._snapshot()
+        self._done = False
         try:
             # Like torch.optim's steps, a step works inside no_grad/inference_mode; it
             # differentiates the model, so it enables autograd for its own duration.
@@ -376,7 +381,8 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         except BaseException:
             # KeyboardInterrupt included: the attempts before the failure raised λ and
             # moved the damping rule's state; a failed step must leave no trace.
-            self._restore(saved)
+            if not self._done:
+                self._restore(saved)
             raise
 
     def _snapshot(self) -> tuple[DampingState, int, dict[str, str], Any, Any]:
@@ -425,8 +431,11 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         self._steps += 1
         every = self.config.check_every
         check = bool(every) and self._steps % every == 0
-        run = self._device.step(setup, m_total, lr, self._precision, self._write_on_device, check)
+        run = self._device.step(setup, m_total, lr, self._precision, self._write_on_device)
         self._problem = run.problem
+        self._done = True  # written and stored: an interrupt in the check leaves it done
+        if check:
+            run.checked = self._device.check()
         return capturable_info(run, t_start)
 
     def _write_on_device(self, x: Tensor, accepted: Tensor, inputs: Any) -> None:

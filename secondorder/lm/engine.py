@@ -396,7 +396,9 @@ def _judge(
     if status > 0:
         # MINPACK tests convergence after every attempt: a rejected step that is
         # already below xtol, or whose reductions are below ftol, means the current
-        # point is the answer to that precision.
+        # point is the answer to that precision.  λ stays within its bound, as the
+        # loop keeps it after any other rejection.
+        state.damping = min(state.damping, config.damping_max)
         return loop.stopped(attempt, status, why)
     loop.reason = f"gain ratio {rho:.3g} too small at damping {lam:.3g}"
     return None

@@ -228,13 +228,20 @@ class LMConfig:
         check_integer("cg_max_iter", self.cg_max_iter, allow_none=True)
         check_open_unit("cg_forcing", self.cg_forcing, allow_none=True)
         check_choice("cg_preconditioner", self.cg_preconditioner, CG_PRECONDITIONERS)
+        check_choice("linalg_backend", self.linalg_backend, LINALG_BACKENDS)
+        if not isinstance(self.capturable, bool):
+            raise TypeError(f"Invalid capturable={self.capturable!r}: must be True or False.")
+        if self.capturable and self.cg_preconditioner != "jacobi":
+            raise ValueError(
+                f"Invalid cg_preconditioner={self.cg_preconditioner!r} with capturable=True: "
+                "it preconditions the CG solver, and the capturable step factors by "
+                "Cholesky; leave cg_preconditioner at 'jacobi' (its default)."
+            )
         if self.cg_preconditioner != "jacobi" and self.solver not in ("cg", "auto"):
             raise ValueError(
                 f"Invalid cg_preconditioner={self.cg_preconditioner!r} with solver="
                 f"{self.solver!r}: it preconditions the CG solver; use solver='cg'."
             )
-        if not isinstance(self.capturable, bool):
-            raise TypeError(f"Invalid capturable={self.capturable!r}: must be True or False.")
         check_integer("check_every", self.check_every, minimum=0)
         check_integer("candidates", self.candidates)
         if self.capturable:
@@ -252,7 +259,6 @@ class LMConfig:
                 "capturable step's batched attempts; use capturable=True, or max_attempts "
                 "for the default step."
             )
-        check_choice("linalg_backend", self.linalg_backend, LINALG_BACKENDS)
         if self.linalg_backend != "torch":
             if self.solver not in BACKEND_SOLVERS:
                 raise ValueError(

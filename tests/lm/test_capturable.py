@@ -156,6 +156,19 @@ def test_never_checking_reads_nothing() -> None:
             {"linalg_backend": "numpy", "solver": "cholesky"},
             r"Invalid linalg_backend='numpy' with capturable=True",
         ),
+        (
+            {"linalg_backend": "bogus"},
+            r"Unknown linalg_backend='bogus'; valid choices are \('torch', 'numpy'",
+        ),
+        (
+            {"cg_preconditioner": "kfac"},
+            r"Invalid cg_preconditioner='kfac' with capturable=True: .* factors by Cholesky; "
+            r"leave cg_preconditioner at 'jacobi'",
+        ),
+        (
+            {"cg_preconditioner": "kfac", "solver": "cholesky"},
+            r"Invalid cg_preconditioner='kfac' with capturable=True",
+        ),
         ({"check_every": -1}, r"Invalid check_every=-1: must be an integer >= 0"),
         ({"candidates": 0}, r"Invalid candidates=0: must be an integer >= 1"),
         ({"capturable": 1}, r"Invalid capturable=1: must be True or False"),

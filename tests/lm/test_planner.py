@@ -289,6 +289,24 @@ def test_optimizer_switches_to_cg_under_a_memory_limit():
     assert info.loss < info.loss_before
 
 
+def test_capturable_advice_names_only_options_the_capturable_step_takes():
+    x, y = sinc_batch(256)
+    limit = 3_500_000  # neither form of Cholesky fits in float64; CG would
+    with pytest.raises(PlanError) as default:
+        so.LevenbergMarquardt(mlp(24, inputs=1), solver="cholesky", memory_limit=limit).step(x, y)
+    assert any("solver='cg'" in a for a in default.value.plan.advice)
+    model = mlp(24, inputs=1)
+    with pytest.raises(PlanError) as err:
+        so.LevenbergMarquardt(model, capturable=True, memory_limit=limit).step(x, y)
+    advice = err.value.plan.advice
+    assert advice and not any("cg" in a for a in advice), advice
+    for option in advice:  # each one, applied, builds and steps
+        name, value = option.split(" (")[0].split("=", 1)
+        setting = {name: eval(value, {"torch": torch})}
+        opt = so.LevenbergMarquardt(model, capturable=True, memory_limit=limit, **setting)
+        assert opt.step(x, y).loss_before > 0
+
+
 def test_default_choices_are_unchanged():
     x, y = sinc_batch(50)
     model = mlp(20, inputs=1)  # 481 parameters, 50 residuals: dual Cholesky

@@ -100,6 +100,8 @@ class KeptPlans:
             available_source=source,
             agree=None if keep else self._agree,
             peaks=peaks,
+            # The capturable step refuses CG: its advice must not name it.
+            advise_cg=not cfg.capturable,
         )
         if not plan.fits:
             raise PlanError(plan)

@@ -23,8 +23,12 @@ def refusal(
     available: int | None,
     gram_dtype: torch.dtype | None,
     dtype: torch.dtype,
+    advise_cg: bool = True,
 ) -> MemoryPlan:
-    """The first candidate, marked as not fitting, with advice on what would fit."""
+    """The first candidate, marked as not fitting, with advice on what would fit.
+
+    ``advise_cg``: whether the advice may name CG (not where the caller refuses it).
+    """
     if chosen.fits:
         # It fits here, but not on another process, where the error is explained.
         return replace(
@@ -32,7 +36,9 @@ def refusal(
         )
     return replace(
         chosen,
-        advice=_advice(shape, chosen, slice_size, memory_budget, available, gram_dtype, dtype),
+        advice=_advice(
+            shape, chosen, slice_size, memory_budget, available, gram_dtype, dtype, advise_cg
+        ),
     )
 
 
@@ -44,6 +50,7 @@ def _advice(
     available: int | None,
     gram_dtype: torch.dtype | None,
     dtype: torch.dtype,
+    advise_cg: bool,
 ) -> tuple[str, ...]:
     """Options, each changing one thing, under which the step would fit."""
     if available is None:
@@ -57,7 +64,7 @@ def _advice(
         if smaller.fits:
             out.append(f"slice_size={smaller.slice_size} (needs {size_text(smaller.peak_bytes)})")
     others: list[tuple[str, str, bool]] = []
-    if plan.solver != "cg":
+    if plan.solver != "cg" and advise_cg:
         others.append(("solver='cg'", "cg", False))
     if plan.solver in ("cholesky", "eigh"):
         others.append((f"form={'primal' if dual else 'dual'!r}", plan.solver, not dual))
@@ -76,7 +83,7 @@ def _advice(
             out.append(f"gram_dtype=torch.float32 (needs {size_text(f32.peak_bytes)})")
     # More ranks split the batch; with CG, each keeps only its own rows of J.
     for ranks in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-        if cg_fits:
+        if cg_fits or not advise_cg:
             break
         rows = max(1, math.ceil(shape.rows / ranks))
         samples = max(1, math.ceil(shape.samples / ranks))

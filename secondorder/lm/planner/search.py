@@ -40,6 +40,7 @@ def plan_memory(
     activations: int = 0,
     agree: Callable[[list[bool]], list[bool]] | None = None,
     peaks: list[int] | None = None,
+    advise_cg: bool = True,
 ) -> MemoryPlan:
     """Plan one LM step: resolve ``"auto"`` choices and the slice size, and check the fit.
 
@@ -76,6 +77,8 @@ def plan_memory(
             same side of each of them gives the same plan (up to the
             ``available_bytes`` it records): a caller may keep the plan while the
             free memory stays within that range (:func:`available_range`).
+        advise_cg: whether a refusal's advice may name ``solver="cg"`` (False where
+            the caller refuses CG, as the capturable step does).
 
     Returns:
         The :class:`MemoryPlan`.  Under ``solver="auto"`` the choice is the one the
@@ -122,7 +125,9 @@ def plan_memory(
     chosen = next((p for p, ok in zip(plans, fits, strict=True) if ok), None)
     if chosen is not None:
         return chosen
-    return refusal(plans[0], shape, slice_size, memory_budget, available, gram_dtype, dtype)
+    return refusal(
+        plans[0], shape, slice_size, memory_budget, available, gram_dtype, dtype, advise_cg
+    )
 
 
 def available_range(peaks: list[int], available: int | None) -> tuple[int, int | None]:

@@ -12,12 +12,14 @@ accepted, so a rejected step leaves them with the same values.
 
 The first candidate accepted, in order of increasing λ, is the attempt the default
 step would have accepted: with ``candidates >= max_attempts`` the two modes take the
-same steps, and with fewer each call runs the first ``candidates`` attempts of the
-default step and carries the raised λ to the next call.  Two differences remain:
-the predicted reduction ``-2gᵀδ - ‖Jδ‖²`` is formed without the default step's
-power-of-two rescaling (the same number unless ``‖Jδ‖²`` overflows the Gram's dtype,
-when the attempt is rejected instead), and ``(2ρ - 1)³`` in Nielsen's rule is two
-products rather than libm's ``pow`` (at most an ulp of λ apart).
+same steps (no more than ``max_attempts`` are tried), and with fewer each call runs
+the first ``candidates`` attempts of the default step and carries the raised λ to
+the next call.  The reported gain ratio is the last evaluated attempt's, 0 when none
+was.  One difference remains: the predicted reduction ``-2gᵀδ - ‖Jδ‖²`` is formed
+without the default step's power-of-two rescaling (the same number unless ``‖Jδ‖²``
+overflows the Gram's dtype, when the attempt is rejected instead).  Nielsen's
+``(2ρ - 1)³`` is ``torch.pow``, libm's ``pow`` on the CPU as in the default step; a
+GPU's ``pow`` may round it an ulp apart.
 
 Only Cholesky (``torch.linalg.cholesky_ex`` and triangular solves) factors here:
 ``torch.linalg.eigh`` waits for the host on CUDA, CG's iteration count depends on
@@ -312,10 +314,14 @@ def device_iteration(
     ends = accept | (status > 0) | (~accept & over)
     if candidates == config.max_attempts:
         ends[-1] = True  # attempts exhausted: the default step stops here too
-    first = torch.where(ends, torch.arange(candidates, device=x.device), candidates).min()
+    index = torch.arange(candidates, device=x.device)
+    first = torch.where(ends, index, candidates).min()
     at = first.clamp(max=candidates - 1).reshape(1)
     took = ends.any() & accept.index_select(0, at)[0] & moves
     rho_at = rho.index_select(0, at)[0]
+    # The gain ratio reported is the last evaluated attempt's, as the default step's.
+    last = torch.where(evaluated & (index <= first), index, -1).max()
+    rho_seen = torch.where(last >= 0, rho.index_select(0, last.clamp(min=0).reshape(1))[0], 0.0)
     lam_acc, nu_acc = rule.accepted(lams.index_select(0, at)[0], nus.index_select(0, at)[0], rho_at)
     after = (first + 1).clamp(max=candidates).reshape(1)
     lam_rej, nu_rej = lams.index_select(0, after)[0], nus.index_select(0, after)[0]
@@ -341,7 +347,7 @@ def device_iteration(
             loss0 / count,
             took.to(wide),
             attempts,
-            torch.where(moves, rho_at, torch.where(finite, 0.0, math.nan)),
+            torch.where(moves, rho_seen, torch.where(finite, 0.0, math.nan)),
             torch.where(took, step_norm.index_select(0, at)[0], 0.0),
             status_at,
             stop.to(wide),
@@ -423,7 +429,7 @@ def _one_attempt(
             loss0 / h.count,
             took.to(wide),
             (~gtol_hit).to(wide),
-            torch.where(moves, rho, torch.where(finite, 0.0, math.nan)),
+            torch.where(moves & evaluated, rho, torch.where(finite, 0.0, math.nan)),
             torch.where(took, step_norm, 0.0),
             status,
             stop.to(wide),

@@ -139,3 +139,40 @@ def test_the_dual_matrix_is_formed_in_the_steps_precision(gram_dtype: Any) -> No
         assert int(ib.attempts) == ia.attempts
         torch.testing.assert_close(_flat(b_model), _flat(a_model), atol=1e-6, rtol=0.0)
         assert float(ib.damping) == pytest.approx(ia.damping, rel=1e-6)
+
+
+# -- the gain ratio reported ---------------------------------------------------------------
+
+
+class _NanAt:
+    """MSE residuals whose ``trial``-th evaluation at a trial point is NaN."""
+
+    def __init__(self, trial: int) -> None:
+        self.trial, self.calls, self.linearised = trial, 0, False
+
+    def __call__(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        r = outputs - targets
+        if torch.is_grad_enabled():  # the linearisation (and its probes)
+            self.linearised = True
+            return r
+        if not self.linearised:  # the batch's validation
+            return r
+        self.calls += 1
+        return r * math.nan if self.calls == self.trial else r
+
+
+@pytest.mark.parametrize(("attempts", "trial"), [(1, 1), (2, 2), (3, 3), (3, 2)])
+def test_the_gain_ratio_is_the_last_evaluated_attempts(attempts: int, trial: int) -> None:
+    # λ far too small: every attempt of the first step is rejected, one of them at a
+    # non-finite trial point; both modes report the last ρ they could evaluate.
+    x, y = _sinc()
+    a_model, b_model = _mlp(), _mlp()
+    options: dict[str, Any] = {"damping": 1e-6, "max_attempts": attempts}
+    a = so.LevenbergMarquardt(a_model, _NanAt(trial), **options)
+    b = so.LevenbergMarquardt(
+        b_model, _NanAt(trial), capturable=True, candidates=attempts, **options
+    )
+    ia, ib = a.step(x, y), b.step(x, y)
+    assert not ia.accepted and not bool(ib.accepted) and ia.attempts == int(ib.attempts)
+    assert math.isfinite(ia.gain_ratio)
+    assert float(ib.gain_ratio) == pytest.approx(ia.gain_ratio, rel=1e-12, abs=0.0)

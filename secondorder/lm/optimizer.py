@@ -359,9 +359,8 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         call only.  The model's parameters are written only if a step is accepted; if anything
         raises during the step (the model, the residual function, an interrupt, in any
         attempt), they and the optimizer's state (λ, ν, Moré's scale, the step count,
-        ``jacobian="auto"``'s choices) are exactly as before (with ``capturable=True``,
-        an interrupt in a check step's host read comes after the step is applied: the
-        step stays done and the next check reads its stop flag).  Under
+        ``jacobian="auto"``'s choices) are exactly as before (under ``capturable=True`` an
+        interrupt in a check step's read comes after the step, which stays done).  Under
         ``torch.no_grad()`` or ``torch.inference_mode()`` the step is the same: it
         needs gradients and turns them on for its own duration.
         """
@@ -483,14 +482,9 @@ class LevenbergMarquardt(torch.optim.Optimizer):
         (``slice_size``, ``memory_budget``, ``memory_limit``) may always differ;
         ``lr`` is restored from the checkpoint, as torch.optim does.
         """
-        ckpt = read_state_dict(
-            state_dict,
-            self._shapes(),
-            self._function.n,
-            len(self.param_groups),
-            self.config,
-            strict=strict,
-        )
+        groups = len(self.param_groups)
+        shapes, n = self._shapes(), self._function.n
+        ckpt = read_state_dict(state_dict, shapes, n, groups, self.config, strict=strict)
         p0 = self._function.params[0]
         home = self._function.group.solver
         scale = None if ckpt.scale is None else ckpt.scale.to(device=home, dtype=p0.dtype)

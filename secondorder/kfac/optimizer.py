@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .._keywords import check_keywords
 from .._validation import check_number
-from .agreement import OtherRankError
+from .agreement import OtherRankError, agree
 from .config import KAISA, KAISA_OPTIONS
 from .damping import LMDampingRule
 from .loading import PreparedLoad, commit_load, prepare_load
@@ -41,13 +41,18 @@ class KFACOptimizer(torch.optim.SGD):
     ``step()`` runs :meth:`KFAC.step` (which rewrites ``.grad``) and then SGD's step,
     so ``KFACOptimizer(model, lr=0.1, momentum=0.9)`` equals ``KFAC(model, lr=0.1)``
     followed by ``torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)``.
-    The KL clip uses this optimizer's ``lr`` (the first group's).
+    The KL clip uses this optimizer's ``lr`` (the first group's).  ``step(closure)``
+    calls ``closure`` under ``torch.enable_grad()`` and returns its loss, as
+    ``torch.optim.SGD`` does.
 
-    Adaptive damping (``adaptive_damping=True``): every ``damping_adaptation_interval``
-    steps, ``step(closure)`` evaluates ``closure()`` (the loss of the current batch,
-    forward only; it is called under ``torch.no_grad()``) before and after the update
-    and adapts λ by :class:`~secondorder.kfac.damping.LMDampingRule` from the ratio of
-    the actual to the predicted reduction ``∇ᵀδ + ½δᵀ(A⊗G + λI)δ`` (plain-gradient
+    Adaptive damping (``adaptive_damping=True``) gives the closure another meaning:
+    every ``damping_adaptation_interval`` steps, ``step(closure)`` evaluates
+    ``closure()`` (the loss of the current batch, forward only; it is called under
+    ``torch.no_grad()``, after the backward that made ``.grad``) before and after the
+    update and returns the first; on the other steps the closure is not called
+    (and ``step`` returns None).  λ is adapted by
+    :class:`~secondorder.kfac.damping.LMDampingRule` from the ratio of the actual to
+    the predicted reduction ``∇ᵀδ + ½δᵀ(A⊗G + λI)δ`` (plain-gradient
     parameters contribute ``∇ᵀδ + ½λ‖δ‖²``).  The new λ applies to the next step.
     On several ranks the closure's losses (one per shard) are averaged across them.
 
@@ -104,59 +109,101 @@ class KFACOptimizer(torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Precondition the gradients, then take the SGD step; see the class docstring."""
+        """Precondition the gradients, then take the SGD step; see the class docstring.
+
+        Without adaptive damping, ``closure`` is ``torch.optim``'s: it is called once,
+        under ``torch.enable_grad()``, before the step (it zeroes the gradients, runs
+        the forward and backward and returns the loss), and its loss is returned.
+
+        The step is all or nothing: if it raises (a K-FAC refusal, an error or a Ctrl-C
+        in SGD's update or in the closure's second call), the parameters, SGD's state
+        and K-FAC's (factors, step count, ``.grad``, λ) are as before it, on every rank.
+        To undo SGD's update, the step copies the parameters it updates and their
+        momentum buffers (K-FAC's part reuses the copy of ``.grad`` it makes anyway).
+        """
         adapt = self.rule is not None and self.kfac.steps % self.rule.interval == 0
         if adapt and closure is None:
             raise ValueError(
                 "adaptive_damping needs step(closure) on adaptation steps: a closure that "
                 "returns the loss of the current batch (forward only)"
             )
-        if not adapt:
-            self.kfac.step()
-            super().step()
-            return None
-        assert self.rule is not None and closure is not None
+        if adapt:
+            assert closure is not None
+            return self._adaptive_step(closure)
+        loss: Any = None
+        error: BaseException | None = None
+        if closure is not None and self.rule is None:
+            # before anything changes; an error is raised on every rank by K-FAC's
+            # first agreement, so no rank waits in a collective for this one
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except BaseException as exc:
+                error = exc
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        undo = _SGDUndo(self, params)
+        kfac_undo: list[Snapshot] = []
+        try:
+            self.kfac._step(error, kfac_undo)
+            try:
+                super().step()
+            except BaseException as exc:
+                error = exc
+            # the ranks learn whether SGD's part failed anywhere, and undo it together
+            agree(self.kfac.reducer, error, {}, self.kfac._device, "KFACOptimizer step")
+        except BaseException:
+            undo.restore(self)
+            for snapshot in kfac_undo:
+                snapshot.restore(self.kfac)
+            raise
+        return loss
+
+    def _adaptive_step(self, closure: Callable[[], Any]) -> Any:
+        assert self.rule is not None
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         loss_before = self._global_loss(closure)
         raw = [p.grad.clone() for p in params]
-        before = [p.detach().clone() for p in params]
-        # what the step changes, so that a closure that fails after it (on any rank)
-        # leaves the parameters, SGD's state and K-FAC's as they were, on every rank
-        undo = Snapshot.take(
-            self.kfac, [p for layer in self.kfac.layers.values() for p in layer.params()]
-        )
-        sgd = {p: _copied(self.state[p]) for p in params if p in self.state}
-        self.kfac.step()
+        # what the step changes, so that anything failing after it (a closure, an
+        # interrupt, on any rank) leaves the parameters, SGD's state, K-FAC's and λ
+        # as they were, on every rank
+        undo = _SGDUndo(self, params)
+        before = [b for _, b in undo.params]
+        kfac_undo: list[Snapshot] = []
+        last_rho = self.last_rho
         try:
-            super().step()
-            loss_after = self._global_loss(closure)
+            self.kfac._step(None, kfac_undo)
+            error: BaseException | None = None
+            try:
+                super().step()
+            except BaseException as exc:
+                error = exc
+            loss_after = self._global_loss(closure, error)
+            deltas = {p: p.detach() - b for p, b in zip(params, before, strict=True)}
+            predicted = self._predicted(params, raw, deltas)
+            rho = self.rule.ratio(loss_before, loss_after, predicted)
+            damping = self.rule.update(self.kfac.damping, rho)
+            self.last_rho = rho
+            self.kfac.damping_override = damping
         except BaseException:
-            for p, b in zip(params, before, strict=True):
-                p.copy_(b)
-                if p in sgd:
-                    self.state[p] = sgd[p]
-                else:
-                    self.state.pop(p, None)
-            undo.restore(self.kfac)
+            undo.restore(self)
+            for snapshot in kfac_undo:
+                snapshot.restore(self.kfac)
+            self.last_rho = last_rho
             raise
-        deltas = {p: p.detach() - b for p, b in zip(params, before, strict=True)}
-        predicted = self._predicted(params, raw, deltas)
-        rho = self.rule.ratio(loss_before, loss_after, predicted)
-        self.last_rho = rho
-        self.kfac.damping_override = self.rule.update(self.kfac.damping, rho)
         return loss_before
 
-    def _global_loss(self, closure: Callable[[], Any]) -> float:
+    def _global_loss(self, closure: Callable[[], Any], error: BaseException | None = None) -> float:
         # Each rank's closure gives its shard's loss; λ is decided from their mean
         # (the loss of the global batch for equal shards), so every rank adapts it
         # alike (K-FAC refuses a step whose λ differs between ranks).  A closure that
-        # raises on one rank sends a flag in the same sum: every rank raises.
-        error: BaseException | None = None
+        # raises on one rank (or an ``error`` of the step before it) sends a flag in
+        # the same sum: every rank raises.
         value = 0.0
-        try:
-            value = float(closure())
-        except BaseException as exc:
-            error = exc
+        if error is None:
+            try:
+                value = float(closure())
+            except BaseException as exc:
+                error = exc
         reducer = self.kfac.reducer
         if reducer.world_size == 1:
             if error is not None:
@@ -239,5 +286,32 @@ class KFACOptimizer(torch.optim.SGD):
         commit_load(self.kfac, prepared)
 
 
-def _copied(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+class _SGDUndo:
+    """What SGD's step changes: the parameters it updates and their state (momentum).
+
+    Their values are copied; :meth:`restore` writes them back into the same tensors
+    and state dicts, and forgets the state that the step created.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, params: list[Tensor]) -> None:
+        self.params = [(p, p.detach().clone()) for p in params]
+        self.state: dict[Tensor, tuple[dict[str, Any], dict[str, Any]]] = {}
+        for p in params:
+            if p in opt.state:
+                st = opt.state[p]
+                copies = {k: v.clone() for k, v in st.items() if isinstance(v, Tensor)}
+                self.state[p] = (dict(st), copies)
+
+    def restore(self, opt: torch.optim.Optimizer) -> None:
+        """Put the parameters and their SGD state back."""
+        for p, values in self.params:
+            p.detach().copy_(values)
+            if p not in self.state:
+                opt.state.pop(p, None)
+                continue
+            items, copies = self.state[p]
+            for k, v in copies.items():
+                items[k].copy_(v)
+            st = opt.state[p]
+            st.clear()
+            st.update(items)

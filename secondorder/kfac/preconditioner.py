@@ -240,13 +240,21 @@ class KFAC:
         since the last step and every ``.grad`` are as they were: the step can be
         retried, and the batch enters the factors once.
         """
+        self._step()
+
+    def _step(self, error: BaseException | None = None, undo: list[Snapshot] | None = None) -> None:
+        """:meth:`step`, refused on every rank if ``error`` (the caller's) is set.
+
+        The commit's :class:`Snapshot` is appended to ``undo`` before anything is
+        written, so that a caller whose own part of the step fails can put this one back.
+        """
         # BaseException: a Ctrl-C on one rank must reach the others' agreement too
-        error: BaseException | None = None
         plan: StepPlan | None = None
-        try:
-            plan = self._plan()
-        except BaseException as exc:
-            error = exc
+        if error is None:
+            try:
+                plan = self._plan()
+            except BaseException as exc:
+                error = exc
         where = f"K-FAC step {self.steps}"
         # every rank passed its checks and reads the same settings, before any collective
         agree(
@@ -295,7 +303,7 @@ class KFAC:
             vg *= plan.lr**2
             if vg != 0.0:
                 nu = min(1.0, math.sqrt(plan.kl_clip / abs(vg)))
-        self._commit(plan, factors, inv, pre, nu, skipped=bool(bad))
+        self._commit(plan, factors, inv, pre, nu, skipped=bool(bad), undo=undo)
         warn_about_statistics(plan, bad, self.layers, self.grad_scaler)
 
     def _plan(self) -> StepPlan:
@@ -410,9 +418,12 @@ class KFAC:
         pre: dict[str, Tensor],
         nu: float,
         skipped: bool,
+        undo: list[Snapshot] | None = None,
     ) -> None:
         """Write the step; an interrupt while writing puts everything back."""
-        undo = Snapshot.take(self, [p for n in pre for p in self.layers[n].params()])
+        before = Snapshot.take(self, [p for n in pre for p in self.layers[n].params()])
+        if undo is not None:
+            undo.append(before)
         try:
             for name, p in pre.items():
                 self.layers[name].set_grad(p.mul_(nu) if nu != 1.0 else p)
@@ -428,7 +439,7 @@ class KFAC:
             for layer in self.layers.values():
                 layer.reset_stats()
         except BaseException:
-            undo.restore(self)
+            before.restore(self)
             raise
 
     # -- reporting ---------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 A Ctrl-C in one rank's eigendecomposition, a damaged checkpoint on one rank (for
 :class:`KFAC` and :class:`KFACOptimizer`), an interrupt while one rank recomputes the
-loaded decompositions, and a closure of adaptive damping that raises on one rank
-(before and after the update): every rank raises (the failing one its own error, the
+loaded decompositions, a closure of adaptive damping that raises on one rank
+(before and after the update), a Ctrl-C in one rank's SGD update and a plain closure
+that raises on one rank: every rank raises (the failing one its own error, the
 others :class:`~secondorder.distributed.RankFailedError`), none hangs, and every
 rank's state is bitwise what it was.  2 ranks, a 30 s collective timeout.
 """
@@ -179,8 +180,45 @@ def closures(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def plain_steps(rank: int, world: int) -> dict[str, Any]:
+    """KFACOptimizer without adaptive damping: a Ctrl-C in rank 1's SGD update, then a
+    closure that raises on rank 0."""
+    net, opt = optimizer(rank, world, momentum=0.9)
+    backprop(net, 0, rank, world)
+    opt.step()
+    backprop(net, 1, rank, world)
+    before = optimizer_state(net, opt)
+
+    def step() -> None:
+        if rank == 1:
+            # SGD's update of the second parameter, the first one updated
+            when = lambda a: any(a[0] is p for p in net.parameters())  # noqa: E731
+            with Fault(torch.Tensor.add_, KeyboardInterrupt("Ctrl-C on rank 1"), 2, when):
+                opt.step()
+        else:
+            opt.step()
+
+    out: dict[str, Any] = {"sgd": attempt(step)}
+    out["sgd unchanged"] = same(optimizer_state(net, opt), before)
+
+    def closure() -> torch.Tensor:
+        if rank == 0:
+            raise RuntimeError("closure failed on rank 0")
+        x, y = batch(1, rank, world)
+        return 0.5 * (net(x) - y).pow(2).sum(1).mean()
+
+    out["closure"] = attempt(lambda: opt.step(closure))
+    # rank 1's closure ran its forward (which the hooks count): the rest is as before
+    after = optimizer_state(net, opt)
+    for state in (after, before):
+        del state["kfac"]["stats"], state["kfac"]["capture"]
+    out["closure unchanged"] = same(after, before)
+    return out
+
+
 def job(rank: int, world: int) -> dict[str, Any]:
     return {
+        "plain steps": plain_steps(rank, world),
         "interrupted step": interrupted_step(rank, world),
         "bad checkpoint": bad_checkpoint(rank, world),
         "optimizer checkpoint": optimizer_checkpoint(rank, world),
@@ -246,3 +284,21 @@ def test_a_closure_that_raises_on_one_rank_is_raised_on_every_rank(
     assert kind == "OtherRankError" and failed
     assert "closure raised on 1 of 2 ranks" in message
     assert r0["unchanged"] and r1["unchanged"]
+
+
+def test_a_plain_step_that_fails_on_one_rank_is_refused_on_every_rank(
+    results: dict[int, Any],
+) -> None:
+    # before: K-FAC's step was committed before SGD's; rank 1's Ctrl-C in SGD's update
+    # left its step half taken while rank 0 went on (and the closure was never called)
+    r0, r1 = results[0]["plain steps"], results[1]["plain steps"]
+    assert r1["sgd"] == ("KeyboardInterrupt", "Ctrl-C on rank 1", False)
+    kind, message, failed = r0["sgd"]
+    assert kind == "OtherRankError" and failed
+    assert "KFACOptimizer step failed on rank(s) [1] of 2" in message
+    assert r0["closure"] == ("RuntimeError", "closure failed on rank 0", False)
+    kind, message, failed = r1["closure"]
+    assert kind == "OtherRankError" and failed
+    assert "K-FAC step 1 failed on rank(s) [0] of 2" in message
+    for r in (r0, r1):
+        assert r["sgd unchanged"] and r["closure unchanged"]

@@ -489,3 +489,23 @@ def test_soap_null_space_cutoff_follows_rank_rtol() -> None:
     cut = _one_soap_step(g, torch.float32)
     torch.testing.assert_close(cut, exact, rtol=0, atol=1e-5)
     assert (kept - exact).abs().max() > 1e-2
+
+
+def test_soap_null_space_cutoff_is_rank_rtol_squared_times_the_blocks_sum_of_e() -> None:
+    # The documented rule (EigenConfig, the guide): E ≤ rank_rtol² · ΣE is the null
+    # space.  E = 0.05 is kept (above 0.1² · 1.56) although it is below 0.1 · max E
+    # (the guide's former wording); E = 0.01 is cut.  Identity basis, M = 1: each kept
+    # coordinate is 1/sqrt(E).
+    from secondorder.shampoo.preconditioner import EigenvalueCorrectedPreconditioner
+
+    pre = EigenvalueCorrectedPreconditioner(
+        shape=(4,), beta2=0.999, epsilon=0.0, use_bias_correction=False,
+        root_inv_config=EigenConfig(rank_rtol=0.1),
+    )  # fmt: skip
+    state = pre.init_state(1, torch.float64, torch.device("cpu"))
+    E = torch.tensor([[1.0, 0.5, 0.05, 0.01]], dtype=torch.float64)
+    state["corrected_eigenvalues"] = E
+    assert 0.1**2 * E.sum() < 0.05 < 0.1 * E.max() and 0.1**2 * E.sum() > 0.01
+    got = pre.precondition(state, torch.ones(1, 4, dtype=torch.float64), step=1)
+    want = torch.tensor([[1.0, 0.5**-0.5, 0.05**-0.5, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=0)

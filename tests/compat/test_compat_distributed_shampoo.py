@@ -312,3 +312,91 @@ def test_import_paths_mirror_the_reference():
     assert DistributedShampoo is ds.DistributedShampoo
     assert ClassicMomentumConfig is ds.ClassicMomentumConfig
     assert mft.DefaultEigenConfig is ds.DefaultEigenConfig
+
+
+def _trained(**kwargs):
+    torch.manual_seed(0)
+    model = cases.mlp(8)
+    opt = ds.DistributedShampoo(model.parameters(), **kwargs)
+    batches = list(cases.digits(3))
+    for x, y in batches[:2]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    x, y = batches[2]
+    F.cross_entropy(model(x), y).backward()
+    return model, opt
+
+
+def _snapshot(model, opt):
+    import copy
+
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+
+def _same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    assert sa["param_groups"] == sb["param_groups"]
+    for k, entry in sa["state"].items():
+        for name, v in entry.items():
+            w = sb["state"][k][name]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        (
+            "weight_decay_type",
+            ds.WeightDecayType.L2,
+            r"param_groups\[0\]\['weight_decay_type'\]=.*would be ignored.*"
+            r"Set use_decoupled_weight_decay=False instead and delete 'weight_decay_type'",
+        ),
+        (
+            "weight_decay_type",
+            ds.WeightDecayType.CORRECTED,
+            r"weight_decay_type=.*is not supported.*keep the group's and delete",
+        ),
+        (
+            "iterate_averaging_config",
+            ds.ClassicMomentumConfig(momentum=0.5, use_nesterov=True),
+            r"Set momentum=0\.5, dampening=0\.0, use_nesterov=True instead",
+        ),
+        ("beta3", 0.5, r"param_groups\[0\]\['beta3'\]=0\.5 .*The gradient filter is betas\[0\]"),
+        (
+            "preconditioner_config",
+            ds.DefaultEigenvalueCorrectedShampooConfig,
+            r"'preconditioner_config'\]=.*fixed when the group is added: build a new",
+        ),
+    ],
+)
+def test_a_distributed_shampoo_group_key_set_later_is_refused_before_the_step(key, value, match):
+    # before: the groups hold so.Shampoo's translated options, so these were silently
+    # ignored (DistributedShampoo itself switches to L2 weight decay when told to)
+    kw = {
+        "weight_decay": 1e-2,
+        "iterate_averaging_config": ds.ClassicMomentumConfig(momentum=0.9),
+        "grafting_config": ds.AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8),
+    }
+    model, opt = _trained(**kw)
+    before = _snapshot(model, opt)
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    del opt.param_groups[0][key]
+    _same(_snapshot(model, opt), before)
+    # a value that asks for what the group already does is not refused
+    same_value = {
+        "weight_decay_type": ds.WeightDecayType.DECOUPLED,
+        "iterate_averaging_config": ds.ClassicMomentumConfig(momentum=0.9),
+        "beta3": -1.0,
+    }
+    if key in same_value:
+        opt.param_groups[0][key] = same_value[key]
+        opt.step()
+        del opt.param_groups[0][key]
+        model2, twin = _trained(**kw)
+        twin.step()
+        _same(_snapshot(model, opt), _snapshot(model2, twin))

@@ -34,7 +34,12 @@ ignored basis dimensions, dropping the ``1 − β₂`` weight of the Kronecker f
 different dtypes for a factor and its root.  ``use_pin_memory``,
 ``use_symmetric_packing``, ``communicate_params``, ``num_trainers_per_group``,
 ``load_balancing_config`` and the run-time and concurrency configs are accepted and
-change nothing numerical.  The state dict is :class:`~secondorder.shampoo.Shampoo`'s
+change nothing numerical.  The parameter groups hold so.Shampoo's keys (translated
+when a group is added), not ``weight_decay_type``, ``iterate_averaging_config``,
+``beta3``, ``preconditioner_config`` or ``distributed_config``: one of those set on a
+group later is refused at the next step, before it changes anything, with the native
+key to set instead (a value that asks for what the group already does passes).  The
+state dict is :class:`~secondorder.shampoo.Shampoo`'s
 (torch.optim's layout), not DistributedShampoo's.
 
 Its README examples give DistributedShampoo's parameters to 1e-10 in float64, with one
@@ -486,6 +491,69 @@ class DistributedShampoo(Shampoo):
         native = translate({**self._reference_defaults, **overrides})
         group = {k: v for k, v in param_group.items() if k in ("params", "param_names")}
         super().add_param_group({**group, **native})
+
+    def _normalize(self, group: dict[str, Any]) -> None:  # type: ignore[override]
+        # Run on every group before each step changes anything: the groups hold
+        # so.Shampoo's options, so one of DistributedShampoo's own names set on a group
+        # afterwards would be ignored; it is refused with the native key to set instead.
+        super()._normalize(group)
+        for key in _PEER_ONLY:
+            if key in group and _ignored(key, group[key], group):
+                where = f"param_groups[{_index(self.param_groups, group)}][{key!r}]"
+                raise ValueError(
+                    f"DistributedShampoo: {where}={group[key]!r} was set after the optimizer "
+                    f"was built, and would be ignored: the groups hold secondorder.Shampoo's "
+                    f"options, translated when the group was added. {_instead(key, group[key])} "
+                    f"and delete {key!r}; nothing changed."
+                )
+
+
+#: DistributedShampoo's group options that so.Shampoo's groups do not hold.
+_PEER_ONLY = (
+    "weight_decay_type",
+    "iterate_averaging_config",
+    "beta3",
+    "preconditioner_config",
+    "distributed_config",
+)
+
+
+def _ignored(key: str, value: Any, group: dict[str, Any]) -> bool:
+    """Whether ``group[key] = value`` asks for something the group does not do."""
+    if key == "beta3":
+        return bool(value != -1.0 and value != group["betas"][0])
+    if key == "weight_decay_type":
+        return (value is WeightDecayType.DECOUPLED) != group["use_decoupled_weight_decay"]
+    if key == "iterate_averaging_config":
+        try:
+            wanted = _momentum(value)
+        except ValueError:
+            return True
+        return any(group[k] != v for k, v in wanted.items())
+    return True  # preconditioner_config, distributed_config: fixed when it was built
+
+
+def _instead(key: str, value: Any) -> str:
+    """What to do in secondorder's terms instead of setting ``key``."""
+    if key == "weight_decay_type":
+        if value not in (WeightDecayType.L2, WeightDecayType.DECOUPLED):
+            refused = _refuse(key, value, "WeightDecayType.DECOUPLED")
+            return f"{str(refused).rstrip('.')}: keep the group's"
+        return f"Set use_decoupled_weight_decay={value is WeightDecayType.DECOUPLED} instead"
+    if key == "iterate_averaging_config":
+        try:
+            wanted = _momentum(value)
+        except ValueError as exc:
+            return f"{str(exc).rstrip('.')}: keep the group's"
+        shown = ", ".join(f"{k}={v!r}" for k, v in wanted.items())
+        return f"Set {shown} instead (switching momentum on or off needs a new optimizer)"
+    if key == "beta3":
+        return "The gradient filter is betas[0] (a separate beta3 is not implemented): keep it"
+    return "It is fixed when the group is added: build a new DistributedShampoo for another"
+
+
+def _index(groups: list[dict[str, Any]], group: dict[str, Any]) -> str:
+    return next((str(i) for i, g in enumerate(groups) if g is group), "new")
 
 
 _KEYWORDS = [

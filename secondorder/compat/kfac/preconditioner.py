@@ -27,6 +27,10 @@ remain, on purpose:
   ours / P³, and conv layers take different steps;
 * a Linear layer whose input has extra dimensions (tokens) gets ``G`` summed over them
   per sample, where KAISA averages over them (its G is ours / T);
+* a layer called several times in one forward (shared weights) pools the calls into
+  one factor update, counting its samples once (the calls are more positions of them);
+  KAISA folds each call into its running factors in turn, so such a layer takes
+  different steps;
 * eigendecompositions and inverses run in ``inv_dtype`` (KAISA always computes them in
   float32 and then casts);
 * ``colocate_factors``, ``allreduce_bucket_cap_mb`` and ``update_factors_in_hook`` are

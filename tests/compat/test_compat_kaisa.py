@@ -272,3 +272,30 @@ def test_exp_decay_factor_averaging():
     assert [f(k) for k in (0, 1, 2, 4, 100)] == [0.0, 0.0, 0.5, 0.75, 0.9]
     with pytest.raises(ValueError, match=r"Invalid min_value=0"):
         kfac.hyperparams.exp_decay_factor_averaging(0)
+
+
+def test_memory_usage_has_kaisas_keys_and_the_bytes_of_each_part():
+    # before: {a_factors, g_factors, inverses, total}, a KeyError on KAISA's "a_inverses".
+    # Linear(3, 4) and Linear(4, 2), float32: A is 4x4 and 5x5 (bias row), G 4x4 and 2x2;
+    # the eigen method keeps Q and d of each, the inverse method one matrix of each.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    a, g = (16 + 25) * 4, (16 + 4) * 4
+    for method, a_inv, g_inv in (("eigen", (20 + 30) * 4, (20 + 6) * 4), ("inverse", a, g)):
+        pre = KFACPreconditioner(model, inv_update_steps=1, compute_method=method)
+        keys = ["a_factors", "g_factors", "a_batch", "g_batch", "a_inverses", "g_inverses"]
+        assert pre.memory_usage() == dict.fromkeys([*keys, "total"], 0)
+        model.zero_grad()
+        model(torch.randn(5, 3)).sum().backward()
+        gathered = pre.memory_usage()
+        assert (gathered["a_batch"], gathered["g_batch"], gathered["total"]) == (a, g, a + g)
+        pre.step()
+        want = dict(zip(keys, [a, g, 0, 0, a_inv, g_inv], strict=True))
+        assert pre.memory_usage() == {**want, "total": sum(want.values())}
+
+
+def test_skip_layers_that_skips_every_layer_is_named():
+    # before: "no layer K-FAC can precondition ... 'not in modules'", skip_layers unnamed
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"Invalid skip_layers=\['Linear'\]: it skips every"):
+        KFACPreconditioner(model, skip_layers=["Linear"])

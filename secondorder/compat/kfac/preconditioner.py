@@ -36,6 +36,8 @@ remain, on purpose:
 * ``colocate_factors``, ``allreduce_bucket_cap_mb`` and ``update_factors_in_hook`` are
   accepted and change nothing (one rank decomposes both factors of a layer; all factors
   travel in one all-reduce; the factors are updated in ``step()``);
+* ``skip_layers`` that leaves no layer to precondition is refused (KAISA builds a
+  preconditioner that does nothing);
 * a new ``factor_update_steps`` (a scheduler's) takes effect one step later than in
   KAISA, whose hooks read it at the next forward.
 
@@ -218,7 +220,7 @@ class KFACPreconditioner:
             compute_method=method.name.lower(),
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
-            modules=kaisa_modules(model, self.skip_layers),
+            modules=_modules(model, self.skip_layers),
             grad_worker_fraction=fraction,
             assignment_strategy=strategy.name.lower(),
             symmetry_aware=symmetry_aware,
@@ -312,13 +314,22 @@ class KFACPreconditioner:
             layer.reset_stats()
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held on this rank by the factors and the decompositions, and their total."""
-        sizes = {"a_factors": 0, "g_factors": 0, "inverses": 0}
+        """Bytes held on this rank, by KAISA's keys, and their ``total``.
+
+        ``a_factors``/``g_factors``: the factors; ``a_batch``/``g_batch``: the statistics
+        gathered since the last factor update; ``a_inverses``/``g_inverses``: this
+        rank's decompositions of A and of G (eigenvectors and eigenvalues, or inverses).
+        """
+        keys = ("a_factors", "g_factors", "a_batch", "g_batch", "a_inverses", "g_inverses")
+        sizes = dict.fromkeys(keys, 0)
         for layer in self.kfac.layers.values():
-            for key, t in (("a_factors", layer.A), ("g_factors", layer.G)):
+            held = [("a_factors", layer.A), ("g_factors", layer.G)]
+            held += [("a_batch", layer.a_sum), ("g_batch", layer.g_sum)]
+            # QA, dA, A_inv, A_chol belong to A; QG, dG, G_inv, G_chol to G
+            held += [("a_inverses" if "A" in k else "g_inverses", t) for k, t in layer.inv.items()]
+            for key, t in held:
                 if t is not None:
                     sizes[key] += t.nelement() * t.element_size()
-            sizes["inverses"] += sum(t.nelement() * t.element_size() for t in layer.inv.values())
         sizes["total"] = sum(sizes.values())
         return sizes
 
@@ -445,3 +456,16 @@ def _kaisa_shape(t: Tensor | None) -> Tensor | None:
     if t is None:
         return None
     return t[0].clone() if t.shape[0] == 1 else t.clone()
+
+
+def _modules(model: nn.Module, skip_layers: list[str]) -> list[str]:
+    """KAISA's modules, refused with ``skip_layers`` named when none is left."""
+    names = kaisa_modules(model, skip_layers)
+    if not names and skip_layers and kaisa_modules(model, []):
+        raise ValueError(
+            f"Invalid skip_layers={skip_layers!r}: it skips every trainable Linear and "
+            "Conv2d layer of the model, so nothing would be preconditioned (kfac-pytorch "
+            "builds a preconditioner that does nothing). Drop the pattern that matches "
+            "them all, or leave out the preconditioner for this model."
+        )
+    return names

@@ -243,18 +243,12 @@ class KFAC:
         self._step()
 
     def _step(self, error: BaseException | None = None, undo: list[Snapshot] | None = None) -> None:
-        """:meth:`step`, refused on every rank if ``error`` (the caller's) is set.
-
-        The commit's :class:`Snapshot` is appended to ``undo`` before anything is
-        written, so that a caller whose own part of the step fails can put this one back.
-        """
-        # BaseException: a Ctrl-C on one rank must reach the others' agreement too
-        plan: StepPlan | None = None
-        if error is None:
-            try:
-                plan = self._plan()
-            except BaseException as exc:
-                error = exc
+        """:meth:`step`; all ranks refuse if ``error`` is set; ``undo`` gets the snapshot."""
+        plan: StepPlan | None = None  # BaseException below: a Ctrl-C must reach every rank
+        try:
+            plan = None if error is not None else self._plan()
+        except BaseException as exc:
+            error = exc
         where = f"K-FAC step {self.steps}"
         # every rank passed its checks and reads the same settings, before any collective
         agree(
@@ -411,15 +405,10 @@ class KFAC:
         return out
 
     def _commit(
-        self,
-        plan: StepPlan,
-        factors: dict[str, tuple[Tensor, Tensor]],
-        inv: dict[str, dict[str, Tensor]],
-        pre: dict[str, Tensor],
-        nu: float,
-        skipped: bool,
+        self, plan: StepPlan, factors: dict[str, tuple[Tensor, Tensor]],
+        inv: dict[str, dict[str, Tensor]], pre: dict[str, Tensor], nu: float, skipped: bool,
         undo: list[Snapshot] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Write the step; an interrupt while writing puts everything back."""
         before = Snapshot.take(self, [p for n in pre for p in self.layers[n].params()])
         if undo is not None:

@@ -72,9 +72,11 @@ from .preconditioner.matrix_functions_types import (
     PseudoInverseConfig,
     QREigendecompositionConfig,
 )
+from .refusals import check_later_keys
+from .refusals import momentum_options as _momentum
+from .refusals import refuse as _refuse
 from .shampoo_types import (
     AdaGradPreconditionerConfig,
-    ClassicMomentumConfig,
     ConcurrencyConfig,
     DefaultConcurrencyConfig,
     DefaultShampooConfig,
@@ -84,12 +86,10 @@ from .shampoo_types import (
     EigendecomposedKLShampooPreconditionerConfig,
     EigendecomposedShampooPreconditionerConfig,
     EigenvalueCorrectedShampooPreconditionerConfig,
-    GeneralizedPrimalAveragingConfig,
     IterateAveragingConfig,
     PreconditionerConfig,
     RootInvKLShampooPreconditionerConfig,
     RootInvShampooPreconditionerConfig,
-    ScheduleFreeConfig,
     SGDPreconditionerConfig,
     ShampooPT2CompileConfig,
     ShampooRuntimeConfig,
@@ -185,17 +185,6 @@ NEVER = 2**62
 #: Block size of a group whose preconditioner_config is a diagonal method: its (unused)
 #: factors then cost about twice the parameters' memory.
 DIAGONAL_BLOCK = 8
-
-
-def _refuse(option: str, value: Any, nearest: str, why: str = "") -> ValueError:
-    shown = (
-        type(value).__name__ + "(...)" if hasattr(value, "__dataclass_fields__") else repr(value)
-    )
-    return ValueError(
-        f"DistributedShampoo: {option}={shown} is not supported by secondorder"
-        + (f" ({why})" if why else "")
-        + f"; the nearest supported choice is {nearest}."
-    )
 
 
 def _grafting(option: str, cfg: Any) -> PreconditionerConfig | None:
@@ -320,25 +309,6 @@ def _preconditioner(cfg: Any) -> dict[str, Any]:
         raise _refuse(f"{option}.ignored_basis_change_dims", cfg.ignored_basis_change_dims, "{}")
     _same_dtypes(option, cfg, ("factor_matrix_eigenvectors_dtype", "corrected_eigenvalues_dtype"))
     return {**out, "preconditioner": "eigenvalue_corrected", "root_inv_config": root}
-
-
-def _momentum(cfg: Any) -> dict[str, Any]:
-    if cfg is None:
-        return {"momentum": 0.0, "dampening": 0.0, "use_nesterov": False}
-    if isinstance(cfg, ClassicMomentumConfig):
-        return {
-            "momentum": cfg.momentum,
-            "dampening": cfg.dampening,
-            "use_nesterov": cfg.use_nesterov,
-        }
-    if isinstance(cfg, (GeneralizedPrimalAveragingConfig, ScheduleFreeConfig)):
-        raise _refuse(
-            "iterate_averaging_config",
-            cfg,
-            "ClassicMomentumConfig(momentum=...)",
-            "iterate averaging is not implemented",
-        )
-    raise _refuse("iterate_averaging_config", cfg, "None or ClassicMomentumConfig(...)")
 
 
 def check_distributed(cfg: Any) -> None:
@@ -493,67 +463,9 @@ class DistributedShampoo(Shampoo):
         super().add_param_group({**group, **native})
 
     def _normalize(self, group: dict[str, Any]) -> None:  # type: ignore[override]
-        # Run on every group before each step changes anything: the groups hold
-        # so.Shampoo's options, so one of DistributedShampoo's own names set on a group
-        # afterwards would be ignored; it is refused with the native key to set instead.
+        # Run on every group before each step changes anything (see refusals.py).
         super()._normalize(group)
-        for key in _PEER_ONLY:
-            if key in group and _ignored(key, group[key], group):
-                where = f"param_groups[{_index(self.param_groups, group)}][{key!r}]"
-                raise ValueError(
-                    f"DistributedShampoo: {where}={group[key]!r} was set after the optimizer "
-                    f"was built, and would be ignored: the groups hold secondorder.Shampoo's "
-                    f"options, translated when the group was added. {_instead(key, group[key])} "
-                    f"and delete {key!r}; nothing changed."
-                )
-
-
-#: DistributedShampoo's group options that so.Shampoo's groups do not hold.
-_PEER_ONLY = (
-    "weight_decay_type",
-    "iterate_averaging_config",
-    "beta3",
-    "preconditioner_config",
-    "distributed_config",
-)
-
-
-def _ignored(key: str, value: Any, group: dict[str, Any]) -> bool:
-    """Whether ``group[key] = value`` asks for something the group does not do."""
-    if key == "beta3":
-        return bool(value != -1.0 and value != group["betas"][0])
-    if key == "weight_decay_type":
-        return (value is WeightDecayType.DECOUPLED) != group["use_decoupled_weight_decay"]
-    if key == "iterate_averaging_config":
-        try:
-            wanted = _momentum(value)
-        except ValueError:
-            return True
-        return any(group[k] != v for k, v in wanted.items())
-    return True  # preconditioner_config, distributed_config: fixed when it was built
-
-
-def _instead(key: str, value: Any) -> str:
-    """What to do in secondorder's terms instead of setting ``key``."""
-    if key == "weight_decay_type":
-        if value not in (WeightDecayType.L2, WeightDecayType.DECOUPLED):
-            refused = _refuse(key, value, "WeightDecayType.DECOUPLED")
-            return f"{str(refused).rstrip('.')}: keep the group's"
-        return f"Set use_decoupled_weight_decay={value is WeightDecayType.DECOUPLED} instead"
-    if key == "iterate_averaging_config":
-        try:
-            wanted = _momentum(value)
-        except ValueError as exc:
-            return f"{str(exc).rstrip('.')}: keep the group's"
-        shown = ", ".join(f"{k}={v!r}" for k, v in wanted.items())
-        return f"Set {shown} instead (switching momentum on or off needs a new optimizer)"
-    if key == "beta3":
-        return "The gradient filter is betas[0] (a separate beta3 is not implemented): keep it"
-    return "It is fixed when the group is added: build a new DistributedShampoo for another"
-
-
-def _index(groups: list[dict[str, Any]], group: dict[str, Any]) -> str:
-    return next((str(i) for i, g in enumerate(groups) if g is group), "new")
+        check_later_keys(group, self.param_groups)
 
 
 _KEYWORDS = [

@@ -142,6 +142,23 @@ def build(**kwargs):
             {"iterate_averaging_config": ds.ScheduleFreeConfig()},
             r"ScheduleFreeConfig.*not implemented",
         ),
+        # Built with DistributedShampoo's own fields, then refused the same way.
+        (
+            {
+                "iterate_averaging_config": ds.ScheduleFreeConfig(
+                    train_interp_coeff=0.8, eval_coeff_lr_power=2
+                )
+            },
+            r"ScheduleFreeConfig.*not implemented",
+        ),
+        (
+            {
+                "iterate_averaging_config": ds.GeneralizedPrimalAveragingConfig(
+                    eval_interp_coeff=0.9, train_interp_coeff=0.8
+                )
+            },
+            r"iterate_averaging_config=GeneralizedPrimalAveragingConfig",
+        ),
         (
             {"distributed_config": ds.FullyShardDistributedConfig()},
             r"FullyShardDistributedConfig\(\.\.\.\): the parameters are not DTensors; shard "
@@ -197,6 +214,16 @@ def build(**kwargs):
             {
                 "preconditioner_config": ds.RootInvShampooPreconditionerConfig(
                     amortized_computation_config=ds.CoupledHigherOrderConfig()
+                )
+            },
+            r"CoupledHigherOrderConfig.*CoupledNewtonConfig",
+        ),
+        (
+            {
+                "preconditioner_config": ds.RootInvShampooPreconditionerConfig(
+                    amortized_computation_config=ds.CoupledHigherOrderConfig(
+                        rel_epsilon=0.0, abs_epsilon=1e-12
+                    )
                 )
             },
             r"CoupledHigherOrderConfig.*CoupledNewtonConfig",

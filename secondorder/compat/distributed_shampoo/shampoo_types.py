@@ -275,16 +275,15 @@ class GeneralizedPrimalAveragingConfig(IterateAveragingConfig):
     """Generalized primal averaging (not implemented by secondorder)."""
 
     eval_interp_coeff: float = 0.9
-    train_interp_coeff: float = 1.0
+    train_interp_coeff: float = 0.8
 
 
 @dataclass(kw_only=True)
 class ScheduleFreeConfig(IterateAveragingConfig):
     """Schedule-Free (not implemented by secondorder)."""
 
-    train_interp_coeff: float = 0.9
-    iterate_weighting_power: float = 2.0
-    eval_interp_coeff_upper_bound: float = 1.0
+    train_interp_coeff: float = 0.8
+    eval_coeff_lr_power: int = 2
 
 
 class WeightDecayType(enum.Enum):

@@ -149,8 +149,15 @@ class CoupledNewtonConfig(RootInvConfig):
 
 @dataclass(kw_only=True)
 class CoupledHigherOrderConfig(RootInvConfig):
-    """Higher-order coupled iteration (``order`` ≥ 2)."""
+    """Higher-order coupled iteration (``order`` ≥ 2).
 
+    ``rel_epsilon`` and ``abs_epsilon`` are DistributedShampoo's fields (required
+    there); the iteration is refused when the optimizer is built, so they are only
+    kept.
+    """
+
+    rel_epsilon: float = 0.0
+    abs_epsilon: float = 0.0
     max_iterations: int = 100
     tolerance: float = 1e-8
     order: int = 3

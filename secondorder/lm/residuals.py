@@ -94,9 +94,10 @@ def _output_tensor(name: str, outputs: Any) -> Tensor:
 def _matching_targets(name: str, outputs: Tensor, targets: Tensor | None) -> Tensor:
     """``targets`` reshaped to ``outputs.shape`` and cast to its dtype, after checking them.
 
-    Targets match when they hold the same number of values per sample as the outputs
+    Targets match when they have the outputs' shape up to dimensions of size 1
     (``(batch,)`` targets for ``(batch, 1)`` outputs are fine); anything else would
-    be silently broadcast or fail deep inside torch, so it is refused here.
+    be silently broadcast, or reshaped into another layout (channels last for
+    channels first), or fail deep inside torch, so it is refused here.
     """
     if targets is None:
         raise TypeError(
@@ -113,6 +114,13 @@ def _matching_targets(name: str, outputs: Tensor, targets: Tensor | None) -> Ten
             f"of shape {tuple(outputs.shape)}: each sample needs "
             f"{outputs.numel() // max(batch, 1)} target value(s), got "
             f"{targets.numel() // max(t_batch, 1)}"
+        )
+    if [d for d in targets.shape if d != 1] != [d for d in outputs.shape if d != 1]:
+        raise ValueError(
+            f"{name}: targets of shape {tuple(targets.shape)} do not match the model outputs "
+            f"of shape {tuple(outputs.shape)}: they hold as many values but in another "
+            "layout; permute the targets to the outputs' layout (torch's losses refuse "
+            "this too)"
         )
     return targets.reshape(outputs.shape).to(outputs.dtype)
 

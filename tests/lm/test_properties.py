@@ -564,9 +564,24 @@ def test_elementwise_adapters_check_their_targets(name):
         fn(out, torch.zeros(4, 2, dtype=F64))
     with pytest.raises(ValueError, match=rf"{name}: targets of shape \(3, 4\) do not match"):
         fn(out, torch.zeros(3, 4, dtype=F64))
-    # Same values per sample in another layout, and another dtype: accepted, cast.
+    # As many values per sample in another layout (channels last for first): refused.
+    with pytest.raises(ValueError, match=rf"{name}: targets of shape \(4, 2, 3\) .* another"):
+        fn(torch.zeros(4, 3, 2, dtype=F64), torch.zeros(4, 2, 3, dtype=F64))
+    # The same shape up to size-1 dimensions, and another dtype: accepted, cast.
     t = torch.rand(4, 3, dtype=F64)
     torch.testing.assert_close(fn(out, t.reshape(4, 3, 1).float()), fn(out, t.float().double()))
+
+
+def test_targets_in_another_layout_are_refused_before_the_step_changes_anything():
+    net = nn.Conv2d(3, 3, 1).double()
+    x = torch.randn(6, 3, 4, 4, generator=_rng(1), dtype=F64)
+    y = torch.randn(6, 4, 4, 3, generator=_rng(2), dtype=F64)  # channels last by mistake
+    opt = so.LevenbergMarquardt(net, nn.MSELoss())
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=r"mse: targets of shape \(\d+, 4, 4, 3\) .* layout"):
+        opt.step(x, y)
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters(), strict=True))
+    assert opt.step(x, y.permute(0, 3, 1, 2)).accepted
 
 
 def test_cross_entropy_checks_its_targets():

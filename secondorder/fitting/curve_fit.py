@@ -21,10 +21,13 @@ from .bounds import parse_bounds
 from .curve_model import (
     count_params,
     data,
+    jacobian_from_arrays,
     jacobian_on_arrays,
     jacobian_on_tensors,
     residuals_on_arrays,
     residuals_on_tensors,
+    runs_on_arrays,
+    same_on_arrays,
     torch_friendly,
     weighting,
 )
@@ -129,14 +132,21 @@ def curve_fit(
             "more data, or method='trf'"
         )
     weight = weighting(sigma, y.numel())
-    use_torch = torch_friendly(f, x, p)
+    # NumPy data keep NumPy's meanings: a model that runs on tensors is differentiated by
+    # torch only where it gives the same values there (and a callable jac gets arrays).
+    numpy_data = not isinstance(xdata, Tensor)
+    use_torch = torch_friendly(f, x, p) and (not numpy_data or same_on_arrays(f, x, p))
     residuals: Callable[[Any], Any]
     ls_jac: str | Callable[..., Any] = "auto"
     x_start: Any
     if use_torch:
         residuals, x_start = residuals_on_tensors(f, x, y, weight), p
         if callable(jac):
-            ls_jac = jacobian_on_tensors(jac, x, weight, shape=(y.numel(), p.numel()))
+            shape = (y.numel(), p.numel())
+            if numpy_data and runs_on_arrays(jac, x, p):
+                ls_jac = jacobian_from_arrays(jac, x, weight, shape=shape)
+            else:
+                ls_jac = jacobian_on_tensors(jac, x, weight, shape=shape)
         elif jac is not None:
             ls_jac = jac
     else:

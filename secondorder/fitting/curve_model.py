@@ -23,10 +23,13 @@ __all__ = [
     "Weight",
     "count_params",
     "data",
+    "jacobian_from_arrays",
     "jacobian_on_arrays",
     "jacobian_on_tensors",
     "residuals_on_arrays",
     "residuals_on_tensors",
+    "runs_on_arrays",
+    "same_on_arrays",
     "torch_friendly",
     "weighting",
 ]
@@ -148,6 +151,31 @@ def torch_friendly(f: Callable[..., Any], x: Any, p: Tensor) -> bool:
     return not any("__array" in str(w.message) for w in caught)
 
 
+def same_on_arrays(f: Callable[..., Any], x: Any, p: Tensor) -> bool:
+    """Whether ``f`` gives NumPy data the values it gives the same data as tensors.
+
+    A model written for NumPy may also run on tensors with other meanings (``x.std()``
+    divides by n in NumPy, by n - 1 in torch; ``x.repeat(2)`` repeats elements in
+    NumPy and tiles in torch): at the start ``p`` both must agree, or the fit runs on
+    the arrays the user passed.  A model that fails on arrays is a torch model.
+    """
+    x_np = x.numpy() if isinstance(x, Tensor) else x
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            on_arrays = np.asarray(f(x_np, *p.tolist()), dtype=np.complex128)
+    except Exception:
+        return True
+    on_tensors = f(x, *p.unbind(0))
+    if not isinstance(on_tensors, Tensor):
+        return False
+    t = on_tensors.detach().to(torch.complex128).numpy()
+    if t.shape != on_arrays.shape:
+        return False
+    scale = float(np.max(np.abs(t), initial=0.0))
+    return bool(np.allclose(on_arrays, t, rtol=1e-9, atol=1e-12 * scale, equal_nan=True))
+
+
 def residuals_on_tensors(f: Callable[..., Any], x: Any, y: Tensor, weight: Weight) -> Any:
     """``q ↦ W (f(x, *q) - y)`` on tensors, differentiable by torch.func."""
     m = y.numel()
@@ -195,6 +223,31 @@ def jacobian_on_arrays(
 
     def call(q: Any) -> Any:
         return weighted(jac(x_np, *q)).numpy()
+
+    return call
+
+
+def runs_on_arrays(jac: Callable[..., Any], x: Any, p: Tensor) -> bool:
+    """Whether a user's ``jac`` is a NumPy function: it returns an array for arrays."""
+    x_np = x.numpy() if isinstance(x, Tensor) else x
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = jac(x_np, *p.tolist())
+    except Exception:
+        return False
+    return not isinstance(out, Tensor) and np.asarray(out).dtype.kind in "fcib"
+
+
+def jacobian_from_arrays(
+    jac: Callable[..., Any], x: Any, weight: Weight, *, shape: tuple[int, int]
+) -> Callable[[Tensor], Tensor]:
+    """``q ↦ W·jac(x, *q)`` for a torch ``f`` on NumPy data whose ``jac`` is NumPy's."""
+    x_np = x.numpy() if isinstance(x, Tensor) else x
+    weighted = _weighted(jac, weight, shape)
+
+    def call(q: Tensor) -> Tensor:
+        return weighted(jac(x_np, *q.detach().tolist()))
 
     return call
 

@@ -159,11 +159,8 @@ def same_on_arrays(f: Callable[..., Any], x: Any, p: Tensor) -> bool:
     NumPy and tiles in torch): at the start ``p`` both must agree, or the fit runs on
     the arrays the user passed.  A model that fails on arrays is a torch model.
     """
-    x_np = x.numpy() if isinstance(x, Tensor) else x
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            on_arrays = np.asarray(f(x_np, *p.tolist()), dtype=np.complex128)
+        on_arrays = np.asarray(_call_on_arrays(f, x, p), dtype=np.complex128)
     except Exception:
         return True
     on_tensors = f(x, *p.unbind(0))
@@ -229,11 +226,8 @@ def jacobian_on_arrays(
 
 def runs_on_arrays(jac: Callable[..., Any], x: Any, p: Tensor) -> bool:
     """Whether a user's ``jac`` is a NumPy function: it returns an array for arrays."""
-    x_np = x.numpy() if isinstance(x, Tensor) else x
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = jac(x_np, *p.tolist())
+        out = _call_on_arrays(jac, x, p)
     except Exception:
         return False
     return not isinstance(out, Tensor) and np.asarray(out).dtype.kind in "fcib"
@@ -242,14 +236,21 @@ def runs_on_arrays(jac: Callable[..., Any], x: Any, p: Tensor) -> bool:
 def jacobian_from_arrays(
     jac: Callable[..., Any], x: Any, weight: Weight, *, shape: tuple[int, int]
 ) -> Callable[[Tensor], Tensor]:
-    """``q ↦ W·jac(x, *q)`` for a torch ``f`` on NumPy data whose ``jac`` is NumPy's."""
-    x_np = x.numpy() if isinstance(x, Tensor) else x
-    weighted = _weighted(jac, weight, shape)
+    """:func:`jacobian_on_arrays` for a torch ``f`` on NumPy data whose ``jac`` is NumPy's."""
+    on_arrays = jacobian_on_arrays(jac, x, weight, shape=shape)
 
     def call(q: Tensor) -> Tensor:
-        return weighted(jac(x_np, *q.detach().tolist()))
+        return torch.from_numpy(on_arrays(q.detach().numpy()))
 
     return call
+
+
+def _call_on_arrays(g: Callable[..., Any], x: Any, p: Tensor) -> Any:
+    """``g(x, *p)`` with ``x`` and ``p`` as NumPy values, NumPy's warnings silenced."""
+    x_np = x.numpy() if isinstance(x, Tensor) else x
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return g(x_np, *p.tolist())
 
 
 def jacobian_on_tensors(

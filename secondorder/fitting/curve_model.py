@@ -23,6 +23,7 @@ __all__ = [
     "Weight",
     "count_params",
     "data",
+    "fixed_params",
     "jacobian_from_arrays",
     "jacobian_on_arrays",
     "jacobian_on_tensors",
@@ -288,11 +289,29 @@ def count_params(f: Callable[..., Any]) -> int:
             "p0 is None and the number of parameters of f cannot be read from its "
             "signature; pass p0"
         ) from exc
-    args = [
-        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    if len(args) < 2:
+    count = _positional(sig)
+    if count < 2:
         raise ValueError(
             f"p0 is None and f{sig} takes no parameters after x; pass p0 or write f(x, p1, p2, ...)"
         )
-    return len(args) - 1
+    return count - 1
+
+
+def fixed_params(f: Callable[..., Any]) -> int | None:
+    """The parameters ``f(x, p1, ..., pn)`` takes after ``x``; ``None`` where not fixed.
+
+    Not fixed: ``f`` takes ``*args``, or its signature cannot be read.
+    """
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+        return None
+    return max(0, _positional(sig) - 1)
+
+
+def _positional(sig: inspect.Signature) -> int:
+    """The parameters of ``sig`` that a positional argument can fill (``x`` included)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in sig.parameters.values())

@@ -7,7 +7,6 @@ error that names the argument, the value and the fix.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..._validation import check_choice, check_number
-from ..curve_model import count_params
+from ..curve_model import count_params, fixed_params
 from ..losses import LOSSES
 
 __all__ = [
@@ -142,26 +141,13 @@ def parameter_count(f: Callable[..., Any], p0: Any) -> int:
     if len(shape) not in (1, 2) or shape[-1] == 0:
         raise ValueError(f"p0 must be (n,) or (B, n) with n > 0 parameters, got shape {shape}")
     n = int(shape[-1])
-    fixed = _fixed_params(f)
+    fixed = fixed_params(f)
     if fixed is not None and fixed != n:
         raise ValueError(
             f"p0 has {n} parameters per fit but f takes {fixed} after x; pass p0 of shape "
             f"({fixed},) or (B, {fixed})"
         )
     return n
-
-
-def _fixed_params(f: Callable[..., Any]) -> int | None:
-    """The parameters ``f(x, p1, ..., pn)`` takes after ``x`` (``None``: not fixed)."""
-    try:
-        sig = inspect.signature(f)
-    except (TypeError, ValueError):
-        return None
-    kinds = [p.kind for p in sig.parameters.values()]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return max(0, sum(k in positional for k in kinds) - 1)
 
 
 def starts(

@@ -140,11 +140,9 @@ class KFACOptimizer(torch.optim.SGD):
                     loss = closure()
             except BaseException as exc:
                 error = exc
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        undo = _SGDUndo(self, params)
-        kfac_undo: list[Snapshot] = []
+        undo = _StepUndo(self, self._stepped())
         try:
-            self.kfac._step(error, kfac_undo)
+            self.kfac._step(error, undo.kfac)
             try:
                 super().step()
             except BaseException as exc:
@@ -153,25 +151,22 @@ class KFACOptimizer(torch.optim.SGD):
             agree(self.kfac.reducer, error, {}, self.kfac._device, "KFACOptimizer step")
         except BaseException:
             undo.restore(self)
-            for snapshot in kfac_undo:
-                snapshot.restore(self.kfac)
             raise
         return loss
 
     def _adaptive_step(self, closure: Callable[[], Any]) -> Any:
         assert self.rule is not None
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        params = self._stepped()
         loss_before = self._global_loss(closure)
-        raw = [p.grad.clone() for p in params]
+        raw = [p.grad.clone() for p in params if p.grad is not None]  # all of _stepped()
         # what the step changes, so that anything failing after it (a closure, an
         # interrupt, on any rank) leaves the parameters, SGD's state, K-FAC's and λ
         # as they were, on every rank
-        undo = _SGDUndo(self, params)
+        undo = _StepUndo(self, params)
         before = [b for _, b in undo.params]
-        kfac_undo: list[Snapshot] = []
         last_rho = self.last_rho
         try:
-            self.kfac._step(None, kfac_undo)
+            self.kfac._step(None, undo.kfac)
             error: BaseException | None = None
             try:
                 super().step()
@@ -186,11 +181,13 @@ class KFACOptimizer(torch.optim.SGD):
             self.kfac.damping_override = damping
         except BaseException:
             undo.restore(self)
-            for snapshot in kfac_undo:
-                snapshot.restore(self.kfac)
             self.last_rho = last_rho
             raise
         return loss_before
+
+    def _stepped(self) -> list[Tensor]:
+        """The parameters SGD's step updates: those with a gradient."""
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     def _global_loss(self, closure: Callable[[], Any], error: BaseException | None = None) -> float:
         # Each rank's closure gives its shard's loss; λ is decided from their mean
@@ -286,15 +283,18 @@ class KFACOptimizer(torch.optim.SGD):
         commit_load(self.kfac, prepared)
 
 
-class _SGDUndo:
-    """What SGD's step changes: the parameters it updates and their state (momentum).
+class _StepUndo:
+    """What a step changes: the parameters SGD updates, their state (momentum), and K-FAC.
 
-    Their values are copied; :meth:`restore` writes them back into the same tensors
-    and state dicts, and forgets the state that the step created.
+    The parameters' and state's values are copied; ``kfac`` receives K-FAC's own
+    snapshot from :meth:`KFAC._step` before it writes.  :meth:`restore` writes all of
+    them back into the same tensors and state dicts, and forgets the state that the
+    step created.
     """
 
     def __init__(self, opt: torch.optim.Optimizer, params: list[Tensor]) -> None:
         self.params = [(p, p.detach().clone()) for p in params]
+        self.kfac: list[Snapshot] = []
         self.state: dict[Tensor, tuple[dict[str, Any], dict[str, Any]]] = {}
         for p in params:
             if p in opt.state:
@@ -302,8 +302,8 @@ class _SGDUndo:
                 copies = {k: v.clone() for k, v in st.items() if isinstance(v, Tensor)}
                 self.state[p] = (dict(st), copies)
 
-    def restore(self, opt: torch.optim.Optimizer) -> None:
-        """Put the parameters and their SGD state back."""
+    def restore(self, opt: KFACOptimizer) -> None:
+        """Put the parameters, their SGD state and K-FAC's state back."""
         for p, values in self.params:
             p.detach().copy_(values)
             if p not in self.state:
@@ -315,3 +315,5 @@ class _SGDUndo:
             st = opt.state[p]
             st.clear()
             st.update(items)
+        for snapshot in self.kfac:
+            snapshot.restore(opt.kfac)

@@ -66,7 +66,10 @@ class Block:
         transposed or ``channels_last`` gradient), so only read through it unless ``t``
         is contiguous.
         """
-        return t.reshape(self.merged)[self.spec.slices()]
+        whole = t.reshape(self.merged)
+        if self.spec.shape == self.merged:  # the block is the parameter: no slicing
+            return whole
+        return whole[self.spec.slices()]
 
 
 @dataclass

@@ -10,12 +10,12 @@ import math
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .blocks import Batch, Prepared
 from .distributor import is_sharded, local_tensor
 from .grafting import grafting_rule, update_grafting_out_of_place
 from .groups import block_name
-from .root_inverse import finite_per_matrix
 
 __all__ = ["check_gradients", "check_overflow"]
 
@@ -44,23 +44,16 @@ def check_gradients(param_groups: list[dict[str, Any]]) -> None:
                 f"{p.placements}: Shampoo steps each rank's shard with the same shard of the "
                 "averaged gradient, as fully_shard gives it; no state was changed."
             )
-    # amax/amin propagate NaN and expose ±Inf: two fast reductions per gradient
-    # instead of isfinite's elementwise passes (see finite_per_matrix).
+    # aminmax propagates NaN and shows ±Inf as an extreme: one reduction per gradient
+    # and one read for all of them, instead of isfinite's elementwise passes.
     local = [local_tensor(p.grad) for _, _, p in grads if p.grad is not None]
-    finite = torch.stack(
-        [
-            finite_per_matrix(g.reshape(1, -1)).squeeze(0)
-            if g.numel()
-            else torch.tensor(True, device=g.device)
-            for g in local
-        ]
-    )
-    if bool(finite.all()):
+    ends = [end for g in local if g.numel() for end in torch.aminmax(g)]
+    if not ends or bool(torch.isfinite(torch.stack(ends)).all()):
         return
     bad = [
         block_name(param_groups, gi, pi, p)
-        for (gi, pi, p), ok in zip(grads, finite.tolist(), strict=True)
-        if not ok
+        for (gi, pi, p), g in zip(grads, local, strict=True)
+        if g.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(g))).all())
     ]
     raise FloatingPointError(
         f"non-finite gradient (NaN or Inf) in {', '.join(bad)}; no state was changed. "
@@ -80,28 +73,31 @@ def _surely_safe(
     transfer for all batches, instead of the exact float64 check of every entry, which
     runs only where this bound does not clear the batch (a NaN or Inf maximum never does).
     """
-    maxima = []
+    # Per batch: min G, max G, each factor's largest diagonal entry, then the largest
+    # entry of each second-moment state; stacked (in the widest dtype) and read once.
+    ends: list[Tensor] = []
     for _, prep in prepared:
         S, G = prep.state, prep.G
-        lo, hi = torch.aminmax(G)
-        row = [torch.maximum(-lo, hi).double()]
+        ends.extend(torch.aminmax(G))
         for k in range(G.ndim - 1):
-            row.append(S[f"factor{k}"].diagonal(dim1=-2, dim2=-1).amax().double())
+            ends.append(S[f"factor{k}"].diagonal(dim1=-2, dim2=-1).amax())
         for key in ("corrected_eigenvalues", "grafting_state"):
             if key in S:
-                row.append(S[key].amax().double())
-        maxima.append(torch.stack(row))
-    if not maxima:
+                ends.append(S[key].amax())
+    if not ends:
         return []
-    values = torch.cat(maxima).tolist()
+    values = torch.stack(ends).tolist()
     out, at = [], 0
     for batch, prep in prepared:
         group = param_groups[batch.group_index]
         S, G = prep.state, prep.G
         beta2 = float(group["betas"][1])
         alpha = 1.0 if beta2 == 1.0 else 1.0 - beta2
-        n = G[0].numel()
-        m2 = values[at] ** 2
+        n = math.prod(G.shape[1:])
+        lo, hi = values[at], values[at + 1]
+        # aminmax gives NaN at both ends when G holds one; Python's max would drop it.
+        m2 = math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi) ** 2
+        at += 1
         fmax = torch.finfo(S["factor0"].dtype).max / 2
         peaks = []
         for k, d in enumerate(batch.shape):

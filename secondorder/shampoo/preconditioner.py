@@ -60,8 +60,13 @@ def multiply_unfoldings(X: Tensor, ops: Sequence[Sequence[Tensor]]) -> Tensor:
         d = X.shape[1]
         rest = X.shape[2:]
         flat = X.reshape(B, d, -1).mT
+        # One bmm per product where the stacks match (matmul would dispatch its
+        # broadcasting around it); a single row goes through matmul, which multiplies
+        # it as a vector (other rounding).
+        direct = flat.shape[1] > 1
         for A in mats:
-            flat = flat @ A
+            stacked = A.ndim == 3 and A.shape[0] == B
+            flat = torch.bmm(flat, A) if direct and stacked else flat @ A
         X = flat.reshape(B, *rest, d)
     return X
 

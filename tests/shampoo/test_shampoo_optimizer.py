@@ -741,13 +741,14 @@ def test_param_groups_have_their_own_hyperparameters() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-def test_non_finite_gradient_raises_before_any_change() -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gradient_raises_before_any_change(bad: float) -> None:
     m = _model(torch.float32)
     opt = Shampoo(m.parameters(), grafting_config=AdamGraftingConfig())
     _train(m, lambda ps: opt, 2, torch.float32)
     before = {k: v.clone() for k, v in opt.state[next(m.parameters())].items()}
     params = [p.clone() for p in m.parameters()]
-    m[2].weight.grad[0, 0] = float("nan")
+    m[2].weight.grad[0, 0] = bad
     with pytest.raises(
         FloatingPointError,
         match=r"non-finite gradient .* param_groups\[0\]\['params'\]\[2\] \(shape \(3, 5\)\); "
@@ -770,7 +771,10 @@ def test_non_finite_gradient_raises_before_any_change() -> None:
         dict(preconditioner="eigenvalue_corrected", betas=(0.9, 0.99)),
     ],
 )
-def test_overflowing_finite_gradient_is_refused_before_any_change(kwargs: dict[str, Any]) -> None:
+@pytest.mark.parametrize("sign", [1.0, -1.0])  # the bound reads both ends of G
+def test_overflowing_finite_gradient_is_refused_before_any_change(
+    kwargs: dict[str, Any], sign: float
+) -> None:
     torch.manual_seed(0)
     w = [torch.randn(3, 3), torch.randn(3)]
     pa = [x.clone().requires_grad_() for x in w]
@@ -784,7 +788,8 @@ def test_overflowing_finite_gradient_is_refused_before_any_change(kwargs: dict[s
     _step_both([(pa, oa), (pb, ob)], grads())
     before = oa.state_dict()
     values = [p.detach().clone() for p in pa]
-    pa[0].grad = torch.full((3, 3), 1e20)
+    pa[0].grad = torch.full((3, 3), sign * 1e20)
+    pa[0].grad[0, 0] = 0.5  # the other end of G small
     pa[1].grad = torch.ones(3)
     with pytest.raises(
         FloatingPointError,

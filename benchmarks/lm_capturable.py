@@ -19,7 +19,6 @@ and the peer's time per step over ours.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import statistics
 import sys
@@ -28,42 +27,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from secondorder import LevenbergMarquardt
 
 from .core import Problem, batches, resolve_device, run_method, sync
 from .lm_methods import _residual_fn, lm_method, tlm_method
 from .lm_problems import make_problem
+from .ops import count_ops
 
-__all__ = ["count_ops", "main"]
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the aten operations dispatched while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
-    ) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def count_ops(step: Callable[[], Any], warm: int = 5, steps: int = 3) -> int:
-    """The median count of aten operations of ``step()`` after ``warm`` calls."""
-    for _ in range(warm):
-        step()
-    counts = []
-    for _ in range(steps):
-        counter = _OpCounter()
-        with counter:
-            step()
-        counts.append(sum(counter.ops.values()))
-    return int(statistics.median(counts))
+__all__ = ["main"]
 
 
 def _ops_table(problem: Problem) -> list[str]:

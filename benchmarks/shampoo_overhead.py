@@ -5,17 +5,21 @@ a diagonal method's, at its recommended preconditioning frequencies.  The side-b
 trains a third copy of the model with :func:`adamw_like` in the same interleaved rounds
 as ours and DistributedShampoo; :func:`overhead_table` reports both ratios, the step
 alone and the whole iteration (forward, backward and step, the one the bound is about).
+:func:`ops_rows` counts the operations a step dispatches, each a launch on a GPU.
 """
 
 from __future__ import annotations
 
 import statistics
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["adamw_like", "overhead_table"]
+from .ops import count_ops
+
+__all__ = ["adamw_like", "ops_rows", "overhead_table"]
 
 
 def adamw_like(options: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
@@ -73,4 +77,42 @@ def overhead_table(results: list[dict[str, Any]], clock: str) -> list[str]:
             f"| {_median_range(o.get('theirs_step'))} "
             f"| {_median_range(o.get('theirs_iteration'))} |"
         )
+    return lines
+
+
+def ops_rows(
+    configs: list[Any], ours_ds: ModuleType, theirs_ds: ModuleType | None, device: torch.device
+) -> list[str]:
+    """A table of the aten operations one ``optimizer.step()`` dispatches, per side.
+
+    Each side trains past its first root refresh (``precondition_frequency + 2`` steps),
+    then its step is counted on one batch's gradients (:func:`~benchmarks.ops.count_ops`):
+    on a GPU each operation is a launch, which bounds a small model's step.
+    """
+    lines = [
+        "| configuration | ours | DistributedShampoo | torch.optim.AdamW |",
+        "|---|---:|---:|---:|",
+    ]
+    for c in configs:
+        counts: dict[str, str] = {}
+        for name, ds in (("ours", ours_ds), ("theirs", theirs_ds), ("adamw", ours_ds)):
+            if ds is None:
+                counts[name] = "not installed"
+                continue
+            torch.manual_seed(0)
+            model = c.model().to(device)
+            options = c.options(ds)
+            opt = (
+                adamw_like(options, model)
+                if name == "adamw"
+                else ds.DistributedShampoo(model.parameters(), **options)
+            )
+            batches = c.batches(options["precondition_frequency"] + 3)
+            for i, (x, y) in enumerate(batches):
+                opt.zero_grad(set_to_none=True)
+                c.loss(model(x.to(device)), y.to(device)).backward()
+                if i < len(batches) - 1:  # the last batch's gradients are the counted steps'
+                    opt.step()
+            counts[name] = str(count_ops(opt.step, warm=0, steps=3))
+        lines.append(f"| {c.title} | {counts['ours']} | {counts['theirs']} | {counts['adamw']} |")
     return lines

@@ -7,6 +7,7 @@ facebookresearch/optimizers at f606606 beside this checkout)::
     out/peers/venv/bin/python -m benchmarks.shampoo_side_by_side --quick    # 3 rounds each
     out/peers/venv/bin/python -m benchmarks.shampoo_side_by_side --configs cnn_soap_f10 --rounds 7
     python -m benchmarks.shampoo_side_by_side --device cuda --rounds 3      # on a GPU
+    out/peers/venv/bin/python -m benchmarks.shampoo_side_by_side --ops      # ops per step
 
 Each configuration is built twice from the same keyword arguments: once with
 DistributedShampoo's own classes, once with :mod:`secondorder.compat.distributed_shampoo`'s
@@ -58,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .device_timing import Clock, device_words, to_device, warm_up
-from .shampoo_overhead import adamw_like, overhead_table
+from .shampoo_overhead import adamw_like, ops_rows, overhead_table
 
 __all__ = ["CONFIGS", "DEFAULT_CONFIGS", "PeerConfig", "main", "run_config"]
 
@@ -389,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy sizes: a check, not a measurement")
     ap.add_argument("--budget-s", type=float, default=None, help="start no config after this")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ops", action="store_true", help="count each side's ops per step; no timing")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("Invalid --device=cuda: torch sees no CUDA device; pass --device cpu")
@@ -416,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.tiny:
         print("# --tiny: toy models and frequencies, a check of the script; nothing measured")
+    if args.ops:
+        import secondorder.compat.distributed_shampoo as ours_ds
+
+        configs = [tiny(CONFIGS[k]) if args.tiny else CONFIGS[k] for k in args.configs]
+        print("\n".join(ops_rows(configs, ours_ds, theirs_ds, device)))
+        return 0
     cuda, clock = device.type == "cuda", Clock(device).name
     wall = "" if cuda else " ours / theirs wall |"
     print(f"| configuration | rounds x steps | ours step ({clock}) | theirs step ({clock}) | "

@@ -111,3 +111,25 @@ def test_gpu_check_installs_the_wheel_of_a_missing_peer_only(tmp_path: Path) -> 
     ]
     assert (site / "gpu_check_test_peer" / "__init__.py").read_text() == "VALUE = 42\n"
     assert not (site / "json").exists()
+
+
+def test_the_op_counter_counts_each_dispatched_operation() -> None:
+    from benchmarks.ops import count_ops
+
+    # ones, add_ and mul_: three aten operations, the warm-up calls not counted
+    assert count_ops(lambda: torch.ones(3).add_(1).mul_(2), warm=2, steps=3) == 3
+
+
+def test_shampoo_ops_table_counts_a_step_of_each_side(capsys: pytest.CaptureFixture[str]) -> None:
+    shampoo_side_by_side.main(["--ops", "--tiny", "--configs", "cnn_shampoo_f100"])
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ours, adamw = int(cells[1]), int(cells[3])
+    # Shampoo's step does AdamW's grafting and more: at least as many operations
+    assert ours > adamw > 0
+    try:
+        import distributed_shampoo  # noqa: F401
+    except ImportError:
+        assert cells[2] == "not installed"
+    else:
+        assert int(cells[2]) > 0

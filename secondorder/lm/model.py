@@ -278,17 +278,20 @@ class ModelFunction:
 
     def unflatten(self, x: Tensor) -> dict[str, Tensor]:
         """The flat vector ``x`` as a name → tensor dict of parameter-shaped views."""
-        return {
-            name: chunk.view(shape)
-            for name, chunk, shape in zip(
-                self.names, x.split_with_sizes(self.numels), self._view_shapes, strict=True
-            )
-        }
+        return dict(zip(self.names, self._chunks(x), strict=True))
+
+    def _chunks(self, x: Tensor) -> list[Tensor]:
+        """``x`` cut into parameter-shaped views (a vector's chunk is already one)."""
+        chunks = x.split_with_sizes(self.numels)
+        return [
+            c if len(shape) == 1 else c.view(shape)
+            for c, shape in zip(chunks, self._view_shapes, strict=True)
+        ]
 
     def flat(self) -> Tensor:
         """The model's current parameters as one flat vector (a new tensor)."""
-        with torch.no_grad():
-            return torch.cat([p.detach().reshape(-1) for p in self.params])
+        with torch.no_grad():  # nothing to detach: no graph is recorded here
+            return torch.cat([p if p.dim() == 1 else p.reshape(-1) for p in self.params])
 
     def points(self, x: Tensor) -> list[dict[str, Tensor]]:
         """``x`` unflattened on each device entry's device."""
@@ -304,9 +307,7 @@ class ModelFunction:
     def write(self, x: Tensor) -> None:
         """Copy the flat ``x`` into the model's parameters (an accepted step)."""
         with torch.no_grad():
-            chunks = x.split_with_sizes(self.numels)
-            for p, chunk, shape in zip(self.params, chunks, self._view_shapes, strict=True):
-                p.copy_(chunk.view(shape))
+            torch._foreach_copy_(self.params, self._chunks(x))
         carry = self.program.carry
         if carry is not None:
             carry.written(x, self.params)

@@ -7,10 +7,12 @@ tensor spots a GradScaler overflow.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "pack_upper", "unpack_upper"]
+__all__ = ["pack_upper", "sums_finite", "unpack_upper"]
 
 
 def pack_upper(t: Tensor) -> Tensor:
@@ -28,9 +30,16 @@ def unpack_upper(v: Tensor, n: int) -> Tensor:
     return out + torch.triu(out, diagonal=1).mT
 
 
-def all_finite(t: Tensor) -> bool:
-    """Whether every entry of ``t`` is finite (no inf, no NaN)."""
-    # A sum is finite only if every term is (inf and NaN propagate): one reduction
-    # instead of isfinite's full-size temporaries; the elementwise test settles a
-    # finite tensor whose sum overflowed.
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+def sums_finite(tensors: Sequence[Tensor]) -> list[bool]:
+    """Whether every entry of each of ``tensors`` is finite (no inf, no NaN).
+
+    A sum is finite only if every term is (inf and NaN propagate), and ``s·0 == 0``
+    only for a finite ``s``: one reduction per tensor and one read for all of them,
+    instead of isfinite's full-size temporaries and a read each.  The elementwise test
+    settles a finite tensor whose sum overflowed.
+    """
+    if not tensors:
+        return []
+    sums = torch.stack([t.sum() for t in tensors])
+    quick = (sums * 0.0 == 0.0).tolist()
+    return [ok or bool(torch.isfinite(t).all()) for ok, t in zip(quick, tensors, strict=True)]

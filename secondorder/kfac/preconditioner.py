@@ -26,7 +26,7 @@ from .exchange import share_inverses, share_preconditioned
 from .hooks import StatsCapture, check_calls
 from .layers import KFACLayer
 from .loading import PreparedLoad, check_state, commit_load, prepare_load
-from .packing import all_finite, pack_upper, unpack_upper
+from .packing import pack_upper, sums_finite, unpack_upper
 from .sharding import gather_grads, refuse_flat_parameters
 from .transaction import Snapshot, StepPlan, blank_settings, warn_about_statistics
 
@@ -350,10 +350,13 @@ class KFAC:
         self.reducer.sum_(stats)
         *tensors, counts = stats
         layers = list(self.layers.values())
+        # One read for every layer: the sums' finiteness and the counts together.
+        finite = sums_finite(tensors)
+        rows = counts.tolist()
         bad = [
             layer.name
             for i, layer in enumerate(layers)
-            if not (all_finite(tensors[2 * i]) and all_finite(tensors[2 * i + 1]))
+            if not (finite[2 * i] and finite[2 * i + 1])
         ]
         if bad:
             return {}, bad
@@ -366,7 +369,7 @@ class KFAC:
                 a = unpack_upper(a, a_shape[-1])
             if packed:
                 g = unpack_upper(g, g_shape[-1])
-            a_rows, g_samples = float(counts[i, 0]), float(counts[i, 1])
+            a_rows, g_samples = rows[i]
             if a_rows > 0 and g_samples > 0:
                 out[layer.name] = layer.new_factors(a, a_rows, g, g_samples, decay)
         return out, []

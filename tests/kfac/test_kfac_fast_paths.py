@@ -14,7 +14,7 @@ from torch import nn
 from secondorder.kfac import KFAC
 from secondorder.kfac.layers import conv_patch_rows, conv_patches
 from secondorder.kfac.layers.base import spd_cholesky, spd_inverse
-from secondorder.kfac.packing import all_finite as _all_finite
+from secondorder.kfac.packing import sums_finite
 
 DT = torch.float64
 
@@ -152,7 +152,7 @@ def test_eigen_scaling_follows_damping_between_decompositions() -> None:
         )
 
 
-def test_all_finite_agrees_with_isfinite() -> None:
+def test_sums_finite_agrees_with_isfinite() -> None:
     big = torch.finfo(torch.float32).max
     cases = [
         torch.ones(3),
@@ -161,6 +161,9 @@ def test_all_finite_agrees_with_isfinite() -> None:
         torch.tensor([float("inf"), float("-inf")]),
         torch.tensor([1.0, float("nan")]),
         torch.zeros(0),
+        torch.tensor([-big, -big], dtype=torch.float32).double(),  # another dtype
     ]
-    for t in cases:
-        assert _all_finite(t) == bool(torch.isfinite(t).all())
+    want = [bool(torch.isfinite(t).all()) for t in cases]
+    assert want == [True, True, False, False, False, True, True]
+    assert sums_finite(cases) == want  # one read for all of them
+    assert sums_finite([]) == []

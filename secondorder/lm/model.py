@@ -307,7 +307,7 @@ class ModelFunction:
     def write(self, x: Tensor) -> None:
         """Copy the flat ``x`` into the model's parameters (an accepted step)."""
         with torch.no_grad():
-            torch._foreach_copy_(self.params, self._chunks(x))
+            torch._foreach_copy_(tuple(self.params), self._chunks(x))
         carry = self.program.carry
         if carry is not None:
             carry.written(x, self.params)

@@ -217,6 +217,8 @@ class Shampoo(torch.optim.Optimizer):
         #: The hyperparameters every saved group must hold (torch adds its own to defaults).
         self._hyperparameters = tuple(defaults)
         self._built = False
+        self._agreed = False  # whether the ranks agreed on the built state (see _build)
+        self._settings: dict[str, Any] = {}
         self._batches: list[Batch] = []
         self._blocks: list[Block] = []
         self._structures: list[tuple[Any, ...]] = []
@@ -270,14 +272,18 @@ class Shampoo(torch.optim.Optimizer):
     def _device(self) -> torch.device:
         return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
 
-    def _build(self, error: BaseException | None = None, required: bool = False) -> None:
+    def _build(
+        self, error: BaseException | None = None, required: bool = False, agree: bool = True
+    ) -> None:
         """Cut parameters into blocks, assign owners, stack the owned blocks' state.
 
         Per-parameter state (torch's schema) holds views into the stacked buffers, so
         ``state_dict`` sees every block while each stage runs as one batched call.
         With several ranks, a rank that failed before (``error``) or fails here makes
         every rank raise, and the ranks then check that their configurations agree.
-        ``required``: every block entry must be in the (loaded) state.
+        ``required``: every block entry must be in the (loaded) state.  ``agree=False``
+        (:meth:`state_dict`, which one rank may call alone) builds without a
+        collective; the ranks then agree at the next step.
         """
         settings: dict[str, Any] = {}
         if error is None:
@@ -293,11 +299,12 @@ class Shampoo(torch.optim.Optimizer):
                 }
                 batches = self._stack_state(blocks, required)
             except BaseException as exc:  # flagged to the other ranks, then re-raised
-                if self.reducer.world_size == 1:
+                if self.reducer.world_size == 1 or not agree:
                     raise
                 error = exc
-        agree_refusal(self.reducer, error, "to build or load its Shampoo state", self._device())
-        self.reducer.check_agree(settings, "Shampoo configuration")
+        self._agreed = False
+        if agree:
+            self._agree(error, settings)
         ensure_int64_steps(self.param_groups, self.state)
         dtypes = [p.dtype for g in self.param_groups for p in g["params"]]
         # Directions travel in the widest parameter dtype unless told otherwise, so
@@ -308,7 +315,14 @@ class Shampoo(torch.optim.Optimizer):
         self._blocks = blocks
         self._batches = batches
         self._structures = [structure(g) for g in self.param_groups]
+        self._settings = settings
         self._built = True
+
+    def _agree(self, error: BaseException | None, settings: dict[str, Any]) -> None:
+        """Every rank raises if one failed to build; else the configurations must agree."""
+        agree_refusal(self.reducer, error, "to build or load its Shampoo state", self._device())
+        self.reducer.check_agree(settings, "Shampoo configuration")
+        self._agreed = True
 
     def _group_batches(self, blocks: list[Block]) -> list[Batch]:
         """The blocks this rank owns, one batch per (group, block shape, dtype, device)."""
@@ -355,6 +369,8 @@ class Shampoo(torch.optim.Optimizer):
             error = exc
         if not self._built:
             self._build(error)
+        elif not self._agreed:  # built by state_dict() alone, without a collective
+            self._agree(error, self._settings)
         updates: list[BatchUpdate] = []
         steps: dict[int, int] = {}
         if error is None:
@@ -437,10 +453,11 @@ class Shampoo(torch.optim.Optimizer):
         """Torch's schema; configs become plain dicts so ``weights_only=True`` loads it.
 
         In a distributed run each rank's state holds the blocks it owns: save one file
-        per rank and load it into the same rank of a run with the same world size.
+        per rank and load it into the same rank of a run with the same world size.  It
+        never communicates, so one rank may call it alone (before the first step too).
         """
         if not self._built:
-            self._build()
+            self._build(agree=False)
         return configs_to_dicts(super().state_dict(), self.reducer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -460,6 +477,8 @@ class Shampoo(torch.optim.Optimizer):
             self._blocks,
             self._structures,
             self._wire_dtype,
+            self._agreed,
+            self._settings,
         )
         try:
             error: BaseException | None = None
@@ -489,6 +508,8 @@ class Shampoo(torch.optim.Optimizer):
                 self._blocks,
                 self._structures,
                 self._wire_dtype,
+                self._agreed,
+                self._settings,
             ) = previous
             raise
 

@@ -289,3 +289,58 @@ def test_an_interrupt_in_one_ranks_final_writes_is_named_at_the_next_step(
             got,
             re.S,
         ), got
+
+
+def save_on_rank_zero_job(rank: int, world: int, save: bool) -> dict[str, Any]:
+    """DDP training where rank 0 alone saves the optimizer before the first step."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4).double()
+    net = nn.parallel.DistributedDataParallel(model)
+    opt = Shampoo(model.parameters(), lr=0.05, max_preconditioner_dim=4)
+    saved = None
+    if save and rank == 0:
+        # The usual "rank 0 writes the checkpoint" pattern: the other rank is already in
+        # DDP's gradient all-reduce, so a collective here would meet that one instead.
+        saved = copy.deepcopy(opt.state_dict())
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = (torch.randn(4, n, generator=g, dtype=torch.float64) for n in (3, 4))
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out: dict[str, Any] = {"params": flat, "saved": saved}
+    # Built alone by state_dict(), refused at its first step: every rank still refuses.
+    fresh = Shampoo(nn.Linear(3, 4).double().parameters(), lr=0.05)
+    if rank == 0:
+        fresh.state_dict()
+        fresh.param_groups[0]["lr"] = -1.0
+    for p in fresh.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    try:
+        fresh.step()
+        out["refused"] = None
+    except (ValueError, RuntimeError) as exc:
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_state_dict_on_one_rank_before_the_first_step_needs_no_peer() -> None:
+    # state_dict() before the first step builds the state; a collective in that build,
+    # called on rank 0 alone, paired with DDP's all-reduce on rank 1 (gloo aborted on
+    # the size mismatch).  It must build locally and leave the agreement to the step.
+    plain = run_ranks(save_on_rank_zero_job, WORLD, args=(False,), timeout_s=30.0)
+    saving = run_ranks(save_on_rank_zero_job, WORLD, args=(True,), timeout_s=30.0)
+    for rank in range(WORLD):
+        assert torch.equal(saving[rank].value["params"], plain[rank].value["params"])
+    assert torch.equal(saving[0].value["params"], saving[1].value["params"])
+    saved = saving[0].value["saved"]
+    assert (saved["shampoo"]["rank"], saved["shampoo"]["world_size"]) == (0, WORLD)
+    # Rank 0 of 2 owns the weight's block: its zero state, and step 0, are in the file.
+    state = saved["state"][0]
+    assert torch.equal(state["block0.factor0"], torch.zeros(4, 4, dtype=torch.float64))
+    assert int(state["step"]) == 0
+    assert saving[0].value["refused"].startswith("ValueError: Invalid lr=-1.0")
+    assert re.match(
+        r"RankFailedError: rank\(s\) \[0\] of 2 refused to build", saving[1].value["refused"]
+    )

@@ -55,6 +55,7 @@ from .preconditioner import Preconditioner
 from .state import (
     check_saved_layout,
     check_saved_rank,
+    check_saved_shapes,
     configs_to_dicts,
     ensure_int64_steps,
     restored_state,
@@ -458,16 +459,17 @@ class Shampoo(torch.optim.Optimizer):
         """
         if not self._built:
             self._build(agree=False)
-        return configs_to_dicts(super().state_dict(), self.reducer)
+        return configs_to_dicts(super().state_dict(), self.reducer, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` bit for bit, or refuse it and change nothing.
 
         Checked before anything is kept: that it is a Shampoo state dict of this rank
-        and world size, its hyperparameters, and every block entry this optimizer keeps
-        (present, shape, a dtype that holds it exactly, finite values, non-negative
-        second moments, factors' 2x2 principal minors >= 0 to rounding, whole step
-        counts >= 0).  With several ranks, a rank that refuses makes every rank refuse.
+        and world size, saved for parameters of these shapes, its hyperparameters, and
+        every block entry this optimizer keeps (present, shape, a dtype that holds it
+        exactly, finite values, non-negative second moments, factors' 2x2 principal
+        minors >= 0 to rounding, whole step counts >= 0).  With several ranks, a rank
+        that refuses makes every rank refuse.
         """
         previous = (
             self.param_groups,
@@ -485,6 +487,7 @@ class Shampoo(torch.optim.Optimizer):
             try:
                 check_saved_layout(state_dict, self._hyperparameters)
                 check_saved_rank(state_dict, self.reducer, self._sharded is True)
+                check_saved_shapes(state_dict, self.param_groups)
                 saved_groups = state_dict["param_groups"]
                 groups = validated_groups(saved_groups)
                 # Torch's loader would cast floating state to the parameter's dtype, so

@@ -22,6 +22,7 @@ __all__ = [
     "check_entry",
     "check_saved_layout",
     "check_saved_rank",
+    "check_saved_shapes",
     "configs_to_dicts",
     "ensure_int64_steps",
     "restored_state",
@@ -29,16 +30,47 @@ __all__ = [
 ]
 
 
-def configs_to_dicts(sd: dict[str, Any], reducer: Reducer) -> dict[str, Any]:
-    """Turn ``sd``'s configs into plain dicts and record the saving rank, in place."""
+def configs_to_dicts(
+    sd: dict[str, Any], reducer: Reducer, param_groups: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Turn ``sd``'s configs into plain dicts, record the saving rank and shapes, in place.
+
+    The shapes are the parameters' (``param_groups``), by group: blocks of the same
+    shape come from parameters of other shapes too (a ``(4, 3)`` and a ``(3, 4)``
+    weight both become one ``(12,)`` block), so only they tell the models apart.
+    """
     for g in sd["param_groups"]:
         g["grafting_config"] = config_to_dict(g["grafting_config"])
         g["root_inv_config"] = config_to_dict(g["root_inv_config"])
     sd["shampoo"] = {
         "rank": reducer.rank,
         "world_size": reducer.world_size,
+        "shapes": _shapes(param_groups),
     }
     return sd
+
+
+def _shapes(param_groups: list[dict[str, Any]]) -> list[list[list[int]]]:
+    return [[list(p.shape) for p in g["params"]] for g in param_groups]
+
+
+def check_saved_shapes(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """Refuse a state dict saved for parameters of other shapes (if it records them).
+
+    Group and parameter counts are left to torch's loader, which names them.
+    """
+    saved = state_dict.get("shampoo", {}).get("shapes")
+    if saved is None:  # saved before the shapes were recorded, or by DCP
+        return
+    for gi, (was, now) in enumerate(zip(saved, _shapes(param_groups), strict=False)):
+        for pi, (a, b) in enumerate(zip(was, now, strict=False)):
+            if list(a) != b:
+                raise ValueError(
+                    f"the state dict was saved for a param_groups[{gi}]['params'][{pi}] of "
+                    f"shape {tuple(a)}, but this optimizer's has shape {tuple(b)}: it belongs "
+                    "to another model (or the parameters are in another order); nothing "
+                    "was loaded."
+                )
 
 
 def check_saved_layout(state_dict: Any, defaults: Sequence[str]) -> None:
@@ -70,7 +102,8 @@ def check_saved_rank(state_dict: dict[str, Any], reducer: Reducer, sharded: bool
     """
     if sharded and "shampoo" not in state_dict:
         return
-    meta = state_dict.get("shampoo", {"rank": 0, "world_size": 1})
+    saved = state_dict.get("shampoo", {"rank": 0, "world_size": 1})
+    meta = {"rank": saved.get("rank"), "world_size": saved.get("world_size")}
     here = {"rank": reducer.rank, "world_size": reducer.world_size}
     if meta != here:
         raise ValueError(

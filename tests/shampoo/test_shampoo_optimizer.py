@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -669,10 +670,18 @@ def test_refused_load_leaves_the_optimizer_as_it_was() -> None:
     )
     with pytest.raises(
         ValueError,
+        match=r"saved for a param_groups\[0\]\['params'\]\[0\] of shape \(5, 6\), but this "
+        r"optimizer's has shape \(6, 5\): it belongs to another model",
+    ):
+        oa.load_state_dict(oq.state_dict())
+    unrecorded = oq.state_dict()  # as saved before the shapes were recorded
+    del unrecorded["shampoo"]["shapes"]
+    with pytest.raises(
+        ValueError,
         match=r"the saved state 'block1.factor1' of parameter param_groups\[0\]\['params'\]\[0\] "
         r"\(shape \(6, 5\)\) has shape \(2, 2\), expected \(1, 1\)",
     ):
-        oa.load_state_dict(oq.state_dict())
+        oa.load_state_dict(unrecorded)
     bad = ob.state_dict()
     bad["param_groups"][0]["lr"] = -1.0
     with pytest.raises(ValueError, match=r"Invalid lr=-1.0"):
@@ -683,6 +692,37 @@ def test_refused_load_leaves_the_optimizer_as_it_was() -> None:
     for a, b in zip(pa, pb, strict=True):
         assert torch.equal(a, b)
     _assert_same_state_dict(oa.state_dict(), ob.state_dict())
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (12,), (2, 6)])
+def test_a_checkpoint_of_other_shapes_with_the_same_blocks_is_refused(
+    shape: tuple[int, ...],
+) -> None:
+    # A (4, 3) weight and a (3, 4), (12,) or (2, 6) one all become one (12,) block: the
+    # block entries alone cannot tell them apart, and the filter, grafting state and
+    # factor of one model would be read element by element as the other's.
+    kw: dict[str, Any] = dict(betas=(0.9, 0.99), grafting_config=AdamGraftingConfig())
+    pa, oa, pb, ob = _twins((4, 3), **kw)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((4, 3), (4,))]
+    _step_both([(pa, oa), (pb, ob)], grads)
+    q = [torch.zeros(shape, dtype=torch.float64, requires_grad=True), pa[1].detach().clone()]
+    oq = Shampoo(q, **kw)
+    before = oq.state_dict()
+    with pytest.raises(
+        ValueError,
+        match=r"the state dict was saved for a param_groups\[0\]\['params'\]\[0\] of shape "
+        rf"\(4, 3\), but this optimizer's has shape {re.escape(str(shape))}: it belongs to "
+        r"another model \(or the parameters are in another order\); nothing was loaded",
+    ):
+        oq.load_state_dict(oa.state_dict())
+    _assert_same_state_dict(oq.state_dict(), before)
+    ob.load_state_dict(oa.state_dict())  # the same shapes load, through weights_only too
+    buf = io.BytesIO()
+    torch.save(oa.state_dict(), buf)
+    buf.seek(0)
+    ob.load_state_dict(torch.load(buf, weights_only=True))
+    _assert_same_state_dict(ob.state_dict(), oa.state_dict())
 
 
 def test_refused_param_group_is_not_added() -> None:

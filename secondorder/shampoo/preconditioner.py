@@ -167,6 +167,15 @@ class Preconditioner:
     def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    def method(self, dtype: torch.dtype) -> str:
+        """How a root computation in ``dtype`` that failed was tried, for the warning."""
+        cfg = self.root_inv_config
+        if isinstance(cfg, CoupledNewtonConfig):
+            return f"the coupled Newton iteration in {dtype}"
+        if isinstance(cfg, EigenConfig) and not cfg.retry_double_precision:
+            return f"eigh in {dtype}, retry_double_precision=False"
+        return "eigh, even in float64"
+
     def after_amortize(self, state: dict[str, Tensor], G: Tensor, step: int) -> Tensor | None:
         """Update state that needs the current amortized results (none for Shampoo).
 
@@ -255,6 +264,12 @@ class EigenvalueCorrectedPreconditioner(Preconditioner):
         retry = cfg.retry_double_precision if isinstance(cfg, EigenConfig) else True
         res = batched_eigh(A, retry)
         return res.eigenvectors, res.failed
+
+    def method(self, dtype: torch.dtype) -> str:  # noqa: D102
+        cfg = self.root_inv_config
+        if isinstance(cfg, EigenConfig) and not cfg.retry_double_precision:
+            return f"eigh in {dtype}, retry_double_precision=False"
+        return "eigh, even in float64"  # the basis always comes from eigh
 
     def _basis(self, state: dict[str, Tensor]) -> list[Tensor]:
         return [state[f"eigenvectors{k}"] for k in range(self.order)]

@@ -150,8 +150,8 @@ def _amortize(
             )
         messages.append(
             f"Shampoo: the root computation of block {b.spec.index} (factors {factors}) "
-            f"of {b.name} failed at step {t} even in float64; keeping its previous "
-            f"root ({count} failure(s) in a row, {tolerated} tolerated)."
+            f"of {b.name} failed at step {t} ({pre.method(S['factor0'].dtype)}); keeping "
+            f"its previous root ({count} failure(s) in a row, {tolerated} tolerated)."
         )
     return messages
 

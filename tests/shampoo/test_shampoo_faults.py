@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 import secondorder.shampoo.root_inverse as ri
-from secondorder.shampoo import AdamGraftingConfig, EigenConfig, Shampoo
+from secondorder.shampoo import AdamGraftingConfig, CoupledNewtonConfig, EigenConfig, Shampoo
 
 
 def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -162,6 +163,52 @@ def test_interrupt_inside_the_commit_puts_everything_back(
     _assert_twins(a, oa, b, ob, range(2, 5))
 
 
+@pytest.mark.parametrize(
+    ("config", "method"),
+    [
+        (CoupledNewtonConfig(), "the coupled Newton iteration in torch.float32"),
+        (
+            EigenConfig(retry_double_precision=False),
+            "eigh in torch.float32, retry_double_precision=False",
+        ),
+    ],
+)
+def test_a_tolerated_root_failure_names_how_the_root_was_computed(
+    monkeypatch: pytest.MonkeyPatch, config: Any, method: str
+) -> None:
+    # The warning said "failed even in float64" for every method, but only eigh with
+    # retry_double_precision retries in float64: the coupled Newton iteration fails
+    # in float32 (its iterates turn NaN on a rank-deficient factor with a small
+    # epsilon), where raising epsilon or factor_dtype=torch.float64 is the remedy.
+    if isinstance(config, CoupledNewtonConfig):
+        real = torch.linalg.matrix_power
+
+        def diverged(M: torch.Tensor, n: int) -> torch.Tensor:
+            return real(M, n) * float("nan")
+
+        monkeypatch.setattr(torch.linalg, "matrix_power", diverged)
+    else:
+
+        def unconverged(A: torch.Tensor) -> Any:
+            raise RuntimeError("linalg.eigh: failed to converge")
+
+        monkeypatch.setattr(ri, "_eigh", unconverged)
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5, 3))
+    opt = Shampoo([p], root_inv_config=config, max_preconditioner_dim=8)
+    p.grad = torch.randn(5, 3)
+    with pytest.warns(RuntimeWarning) as caught:
+        opt.step()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert re.search(
+        rf"block 0 \(factors \[0, 1\]\) of parameter .* failed at step 1 \({re.escape(method)}\); "
+        r"keeping its previous root \(1 failure\(s\) in a row, 3 tolerated\)",
+        messages[0],
+    ), messages[0]
+    assert "float64" not in messages[0]
+
+
 def test_tolerated_root_failure_warns_only_when_the_step_is_taken(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -194,7 +241,9 @@ def test_tolerated_root_failure_warns_only_when_the_step_is_taken(
     _assert_unchanged(a, oa, before)
     shapes.clear()
     interrupt = False
-    with pytest.warns(RuntimeWarning, match=r"failed at step 3 even in float64; keeping its"):
+    with pytest.warns(
+        RuntimeWarning, match=r"failed at step 3 \(eigh, even in float64\); keeping its"
+    ):
         oa.step()
 
 

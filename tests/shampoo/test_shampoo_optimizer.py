@@ -885,7 +885,7 @@ def test_failed_root_keeps_previous_with_warning_naming_parameter(
     with pytest.warns(
         RuntimeWarning,
         match=r"block 0 \(factors \[0, 1\]\) of parameter 'enc.weight' \(shape \(2, 3\)\) "
-        "failed at step 2 even in float64; keeping its previous root",
+        r"failed at step 2 \(eigh, even in float64\); keeping its previous root",
     ):
         opt.step()
     assert torch.equal(opt.state[m.weight]["block0.root0"], root)

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .blocks import Batch, Prepared
+from .blocks import Batch, Block, Prepared
 from .distributor import is_sharded, local_tensor
 from .grafting import grafting_rule, update_grafting_out_of_place
 from .groups import block_name
 
-__all__ = ["check_gradients", "check_overflow"]
+__all__ = ["check_gradients", "check_overflow", "check_received"]
 
 
 def check_gradients(param_groups: list[dict[str, Any]]) -> None:
@@ -173,3 +173,31 @@ def check_overflow(
             "learning rate, clip or rescale the gradients, or use "
             "factor_dtype=torch.float64."
         )
+
+
+def check_received(
+    flats: list[Tensor], received: dict[int, Tensor], blocks: list[Block], wire: torch.dtype
+) -> None:
+    """Refuse directions that ``wire`` (the communication dtype) turned into ±Inf.
+
+    A direction entry beyond ``wire``'s range (65504 for float16) arrives as Inf and
+    would set the parameter to ±Inf on every rank.  Every rank reads the same gathered
+    bytes (``flats``, one per rank), so every rank refuses alike, with no collective.
+    Checked only when ``wire`` is narrower than a direction's dtype (else the
+    directions travel exactly); ``received`` holds each block's direction by id.
+    """
+    limit = torch.finfo(wire).max
+    if all(torch.finfo(b.param.dtype).max <= limit for b in blocks):
+        return
+    ends = [end for f in flats if f.numel() for end in torch.aminmax(f)]
+    if not ends or bool(torch.isfinite(torch.stack(ends)).all()):
+        return
+    bad = list(
+        dict.fromkeys(b.name for b in blocks if not bool(torch.isfinite(received[b.gid]).all()))
+    )
+    raise FloatingPointError(
+        f"the direction of {', '.join(bad)} has an entry beyond the range of "
+        f"communication_dtype={wire} (largest {limit:.6g}), so it arrived as Inf; no rank "
+        "changed its parameters or optimizer state. Use communication_dtype=torch.bfloat16 "
+        "(float32's range) or None, or lower the gradients' scale."
+    )

@@ -29,7 +29,7 @@ from .blocks import (
     new_batch_state,
     prepare_batch,
 )
-from .checks import check_gradients, check_overflow
+from .checks import check_gradients, check_overflow, check_received
 from .config import (
     COMMUNICATION_DTYPES,
     EigenConfig,
@@ -147,7 +147,8 @@ class Shampoo(torch.optim.Optimizer):
         communication_dtype: dtype of the all-gathered directions; ``None`` is the
             parameter's dtype (directions arrive exactly: equal to one process to
             rounding, as batched kernels round by batch size); ``torch.bfloat16``
-            halves the bytes.
+            halves the bytes.  A step whose directions exceed a narrower dtype's range
+            (float16's 65504) is refused on every rank.
         distributed_config: DistributedShampoo's configs (:mod:`.named_configs`):
             ``None`` picks from the parameters; ``fully_shard`` (DTensor) parameters get
             each rank stepping the blocks of its own shards (cut inside the shard),
@@ -428,7 +429,7 @@ class Shampoo(torch.optim.Optimizer):
 
         With several ranks, every rank sends its tally (failure flag and settings,
         :mod:`.agreement`) and, data-parallel, its directions in one all-gather, and
-        raises alike unless none failed and all agree.
+        raises alike unless none failed, all agree and the directions fit the wire.
         """
         directions = {gid: d for u in updates for gid, d in u.directions.items()}
         active = [b for b in self._blocks if b.param.grad is not None]
@@ -445,7 +446,11 @@ class Shampoo(torch.optim.Optimizer):
             )
             parts = self._distributor.share(tally, mine, self._wire_dtype)
             check_tallies([t for t, _ in parts], self.param_groups, error, self.reducer)
-            directions.update(self._distributor.received(parts, active))
+            received = self._distributor.received(parts, active)
+            if received:
+                flats = [flat for _, flat in parts]
+                check_received(flats, received, active, self._wire_dtype)
+            directions.update(received)
         lrs = [float(g["lr"]) for g in self.param_groups]
         return new_parameter_values(active, directions, lrs)
 

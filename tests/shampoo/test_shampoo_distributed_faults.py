@@ -344,3 +344,57 @@ def test_state_dict_on_one_rank_before_the_first_step_needs_no_peer() -> None:
     assert re.match(
         r"RankFailedError: rank\(s\) \[0\] of 2 refused to build", saving[1].value["refused"]
     )
+
+
+def narrow_wire_job(rank: int, world: int) -> dict[str, Any]:
+    """Directions beyond float16's range, sent with communication_dtype=torch.float16."""
+    from secondorder.shampoo import SGDGraftingConfig
+
+    def build() -> tuple[nn.Module, Shampoo]:
+        model = _model()
+        opt = Shampoo(
+            model.parameters(),
+            lr=1e-6,
+            grafting_config=SGDGraftingConfig(),
+            communication_dtype=torch.float16,
+        )
+        return model, opt
+
+    (a, oa), (b, ob) = build(), build()
+    for m, o in ((a, oa), (b, ob)):
+        _backward(m, o, 0)
+        o.step()
+    before = _snapshot(a, oa)
+    _backward(a, oa, 1)
+    for p in a.parameters():  # SGD grafting: directions of the gradients' norm, > 65504
+        p.grad.mul_(1e5)
+    out: dict[str, Any] = {}
+    try:
+        oa.step()
+        out["error"] = None
+    except FloatingPointError as exc:
+        out["error"] = str(exc)
+    out["unchanged"] = _same(_snapshot(a, oa), before)
+    out["finite"] = all(bool(p.isfinite().all()) for p in a.parameters())
+    for m, o in ((a, oa), (b, ob)):
+        _backward(m, o, 2)
+        o.step()
+    out["like_twin"] = _same(_snapshot(a, oa), _snapshot(b, ob))
+    return out
+
+
+def test_directions_beyond_the_communication_dtype_are_refused_on_every_rank() -> None:
+    # A float16 wire turned an entry beyond 65504 into Inf, and every rank set the
+    # parameter to -Inf. Every rank reads the same bytes, so all refuse alike.
+    got = run_ranks(narrow_wire_job, WORLD, timeout_s=30.0)
+    for rank in range(WORLD):
+        out = got[rank].value
+        assert out["error"] is not None, f"rank {rank} took the step"
+        assert re.search(
+            r"the direction of parameter param_groups\[0\]\['params'\]\[0\] \(shape \(4, 3\)\) "
+            r"has an entry beyond the range of "
+            r"communication_dtype=torch.float16 \(largest 65504\), so it arrived as Inf; no "
+            r"rank changed .* Use communication_dtype=torch.bfloat16",
+            out["error"],
+        ), out["error"]
+        assert out["unchanged"] and out["finite"] and out["like_twin"], (rank, out)

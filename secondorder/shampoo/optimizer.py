@@ -136,7 +136,8 @@ class Shampoo(torch.optim.Optimizer):
         root_inv_config: ``EigenConfig(...)`` (default) or ``CoupledNewtonConfig(...)``.
         factor_dtype: dtype of factors and roots; ``None`` is the parameter's dtype,
             float32 for float16 and bfloat16 parameters (whose whole state and step
-            are then float32, only the direction rounded to the parameter's dtype).
+            are then float32, only the direction rounded to the parameter's dtype;
+            a step whose direction float16 cannot hold is refused).
         num_tolerated_failed_amortized_computations: consecutive failed root
             computations of one block that keep the previous root (with a warning)
             before an error.

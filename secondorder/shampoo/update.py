@@ -24,6 +24,7 @@ from .blocks import Batch, Block, Prepared
 from .config import resolved_start
 from .grafting import grafting_direction, updated_grafting
 from .preconditioner import Preconditioner
+from .root_inverse import finite_per_matrix
 
 __all__ = ["BatchUpdate", "commit", "compute_update", "refreshes_roots"]
 
@@ -105,7 +106,19 @@ def compute_update(
             P.mul_(1.0 - damp).add_(buf, alpha=mom)
         else:
             P = buf  # not changed after: the commit copies it, the direction reads it
-    P = P.to(blocks[0].param.dtype)  # a no-op unless the parameters are half precision
+    half = P.to(blocks[0].param.dtype)  # a no-op unless the parameters are half precision
+    if half is not P:
+        fits = finite_per_matrix(half.reshape(len(blocks), 1, -1))
+        if not bool(fits.all()):
+            # float16 holds up to 65504: a larger entry would set the parameter to ±Inf.
+            bad = dict.fromkeys(blocks[i].name for i in (~fits).nonzero().flatten().tolist())
+            raise FloatingPointError(
+                f"the direction of {', '.join(bad)} has an entry beyond the range of its "
+                f"dtype {half.dtype} (largest {torch.finfo(half.dtype).max:.6g}); no state "
+                "was changed. Use AdamGraftingConfig (directions of order 1), lower the "
+                "gradients' scale, or keep the parameters in bfloat16 or float32."
+            )
+    P = half
     update = BatchUpdate(batch, warnings=warned)
     for k, new in S.items():
         if new is prep.state[k]:

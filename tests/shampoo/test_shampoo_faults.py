@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 import secondorder.shampoo.root_inverse as ri
-from secondorder.shampoo import AdamGraftingConfig, CoupledNewtonConfig, EigenConfig, Shampoo
+from secondorder.shampoo import (
+    AdamGraftingConfig,
+    CoupledNewtonConfig,
+    EigenConfig,
+    SGDGraftingConfig,
+    Shampoo,
+)
 
 
 def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -451,6 +457,42 @@ def test_half_precision_checkpoint_entries_load_upcast_exactly() -> None:
 
 
 # -- parameters of every dtype and layout -----------------------------------------------
+def test_a_float16_direction_beyond_its_range_is_refused() -> None:
+    # A float16 parameter's direction is computed in float32 and rounded to float16;
+    # an entry beyond 65504 (SGD grafting of gradients near float16's limit) became
+    # Inf and the parameter ±Inf, silently. bfloat16 (float32's range) holds it.
+    def build(dtype: torch.dtype) -> tuple[nn.Parameter, Shampoo]:
+        p = nn.Parameter(torch.ones(4, 3, dtype=dtype))
+        opt = Shampoo([p], lr=1e-6, grafting_config=SGDGraftingConfig(), max_preconditioner_dim=4)
+        return p, opt
+
+    grad = torch.full((4, 3), 6e4)
+    grad[0, 0] = 1e3
+    p, opt = build(torch.float16)
+    p.grad = grad.half()
+    before = (p.detach().clone(), copy.deepcopy(opt.state_dict()))
+    with pytest.raises(
+        FloatingPointError,
+        match=r"the direction of parameter param_groups\[0\]\['params'\]\[0\] \(shape "
+        r"\(4, 3\)\) has an entry beyond the range of its dtype torch.float16 \(largest "
+        r"65504\); no state was changed. Use AdamGraftingConfig",
+    ):
+        opt.step()
+    _assert_same((p.detach(), opt.state_dict()), before)
+    # The float32 step it would have rounded: W − lr·P, with P's largest entry > 65504.
+    q, oq = build(torch.float32)
+    q.grad = grad.half().float()
+    oq.step()
+    assert ((1.0 - q.detach()) / 1e-6).abs().max() > 65504
+    b, ob = build(torch.bfloat16)
+    b.grad = grad.bfloat16()
+    ob.step()
+    r, orr = build(torch.float32)  # the same step on the same (bfloat16) gradient
+    r.grad = grad.bfloat16().float()
+    orr.step()
+    torch.testing.assert_close(b.detach().float(), r.detach(), rtol=1e-2, atol=0.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_parameters_train_like_float32(dtype: torch.dtype) -> None:
     # Default settings (no grafting, epsilon 1e-12): half-precision factors made bfloat16

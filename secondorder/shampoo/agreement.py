@@ -22,7 +22,14 @@ from torch import Tensor
 from ..distributed import RankFailedError, Reducer
 from .groups import block_name
 
-__all__ = ["agree_refusal", "check_tallies", "group_settings", "header_bytes", "step_tally"]
+__all__ = [
+    "agree_refusal",
+    "agreed_settings",
+    "check_tallies",
+    "group_settings",
+    "header_bytes",
+    "step_tally",
+]
 
 _UNCHANGED = "no rank changed its parameters or optimizer state"
 
@@ -30,6 +37,21 @@ _UNCHANGED = "no rank changed its parameters or optimizer state"
 def group_settings(group: dict[str, Any]) -> dict[str, str]:
     """A group's hyperparameters other than its parameters and ``lr``, as reprs."""
     return {k: repr(v) for k, v in group.items() if k not in ("params", "lr")}
+
+
+def agreed_settings(
+    param_groups: list[dict[str, Any]], communication_dtype: torch.dtype | None
+) -> dict[str, Any]:
+    """What every rank's Shampoo must hold alike when it builds its state.
+
+    The parameters' shapes, every group's :func:`group_settings` (``lr``, which a
+    scheduler changes, is compared by each step's tally) and the communication dtype.
+    """
+    return {
+        "params": [[tuple(p.shape) for p in g["params"]] for g in param_groups],
+        "param_groups": [group_settings(g) for g in param_groups],
+        "communication_dtype": repr(communication_dtype),
+    }
 
 
 def _fingerprint(group: dict[str, Any]) -> float:

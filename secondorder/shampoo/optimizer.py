@@ -18,11 +18,10 @@ from torch import Tensor
 
 from .._keywords import check_keywords
 from ..distributed import Reducer, resolve_reducer
-from .agreement import agree_refusal, check_tallies, step_tally
+from .agreement import agree_refusal, agreed_settings, check_tallies, step_tally
 from .blocks import (
     Batch,
     Block,
-    Prepared,
     bind_batch_state,
     cut_blocks,
     group_batches,
@@ -42,7 +41,6 @@ from .distributor import check_distributed_params, make_distributor, resolve_dis
 from .groups import (
     REFERENCE_OPTIONS,
     STRUCTURAL,
-    block_name,
     check_float_params,
     check_group_keys,
     factored_layout,
@@ -84,21 +82,16 @@ class Shampoo(torch.optim.Optimizer):
     skips the ``2d³`` product that would form it; the step is the same to rounding.
 
     Non-finite gradients, and finite ones that would overflow the factors or the
-    grafting state (checked exactly in float64, see ``_check_overflow``), raise
+    grafting state (checked exactly in float64, see :mod:`.checks`), raise
     ``FloatingPointError`` before any state or parameter changes.  A step is all or
     nothing (:mod:`.update`): whatever raises, a Ctrl-C included, leaves parameters and
     state as they were; with several ranks every rank raises with it, and ranks whose
     ``lr`` or other hyperparameters differ are refused (:mod:`.agreement`).
 
-    Step count, as in DistributedShampoo: ``t`` (bias corrections, root schedule) is
-    one count per parameter group, advanced by every ``step()`` in which any of the
-    group's parameters has a gradient.  A parameter whose gradient is ``None`` is
-    skipped (value and state unchanged), and when it next steps it uses the group's
-    ``t``, whereas ``torch.optim.Adam`` counts each parameter's own steps: equality
-    with ``torch.optim`` (before preconditioning) holds when every parameter of a group
-    gets a gradient at every step, so give parameters that skip steps their own group.
-    The count stays per group because the blocks of a batch share one ``t``: one bias
-    correction and one root schedule per batched call.
+    Step count, as in DistributedShampoo: one ``t`` per parameter group (bias
+    corrections, root schedule), advanced by every ``step()`` in which any of its
+    parameters has a gradient; ``torch.optim.Adam`` counts per parameter, so give
+    parameters that skip steps their own group (the guide's Shampoo section).
 
     Choose it over Adam/AdamW when the extra per-step cost (an eigendecomposition per
     factor every ``precondition_frequency`` steps) buys fewer steps; start from the
@@ -258,9 +251,6 @@ class Shampoo(torch.optim.Optimizer):
     def _normalize(group: dict[str, Any]) -> None:
         normalize_group(group)
 
-    def _block_name(self, group_index: int, param_index: int, p: Tensor) -> str:
-        return block_name(self.param_groups, group_index, param_index, p)
-
     def _preconditioner(
         self, group: dict[str, Any], shape: tuple[int, ...], factored: tuple[bool, ...] = ()
     ) -> Preconditioner:
@@ -292,14 +282,7 @@ class Shampoo(torch.optim.Optimizer):
         if error is None:
             try:
                 blocks = cut_blocks(self.param_groups, self._distributor)
-                settings = {
-                    "params": [[tuple(p.shape) for p in g["params"]] for g in self.param_groups],
-                    "param_groups": [
-                        {k: repr(v) for k, v in g.items() if k not in ("params", "lr")}
-                        for g in self.param_groups
-                    ],
-                    "communication_dtype": repr(self.communication_dtype),
-                }
+                settings = agreed_settings(self.param_groups, self.communication_dtype)
                 batches = self._stack_state(blocks, required)
             except BaseException as exc:  # flagged to the other ranks, then re-raised
                 if self.reducer.world_size == 1 or not agree:
@@ -346,9 +329,6 @@ class Shampoo(torch.optim.Optimizer):
         return batches
 
     # -- the step ---------------------------------------------------------------------
-    def _check_gradients(self) -> None:
-        check_gradients(self.param_groups)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Take one Shampoo step; ``closure`` (optional) re-evaluates and returns the loss.
@@ -397,7 +377,7 @@ class Shampoo(torch.optim.Optimizer):
                     "momentum or the grafting state on or off) after the optimizer state was "
                     "built; these fix the shape of the state. Build a new Shampoo instead."
                 )
-        self._check_gradients()
+        check_gradients(self.param_groups)
         steps: dict[int, int] = {}
         for gi, group in enumerate(self.param_groups):
             if any(p.grad is not None for p in group["params"]):
@@ -405,23 +385,17 @@ class Shampoo(torch.optim.Optimizer):
         prepared = [
             (batch, prep)
             for batch in self._batches
-            if batch.group_index in steps and (prep := self._prepare(batch)) is not None
+            if batch.group_index in steps
+            # the stacked gradients (L2 decay added) and state of the blocks with a gradient
+            and (prep := prepare_batch(self.param_groups[batch.group_index], batch)) is not None
         ]
-        self._check_overflow(prepared)
+        check_overflow(self.param_groups, prepared)  # a finite gradient too large
         updates = []
         for batch, prep in prepared:
             group = self.param_groups[batch.group_index]
             pre = self._preconditioner(group, batch.shape, batch.factored)
             updates.append(compute_update(pre, group, batch, prep, steps[batch.group_index]))
         return steps, updates
-
-    def _prepare(self, batch: Batch) -> Prepared | None:
-        """The stacked gradients (L2 decay added) and state of the blocks with a gradient."""
-        return prepare_batch(self.param_groups[batch.group_index], batch)
-
-    def _check_overflow(self, prepared: list[tuple[Batch, Prepared]]) -> None:
-        """Refuse a finite gradient that would overflow the state (see :mod:`.checks`)."""
-        check_overflow(self.param_groups, prepared)
 
     def _new_parameters(
         self, updates: list[BatchUpdate], error: BaseException | None
@@ -477,17 +451,7 @@ class Shampoo(torch.optim.Optimizer):
         minors >= 0 to rounding, whole step counts >= 0).  With several ranks, a rank
         that refuses makes every rank refuse.
         """
-        previous = (
-            self.param_groups,
-            self.state,
-            self._built,
-            self._batches,
-            self._blocks,
-            self._structures,
-            self._wire_dtype,
-            self._agreed,
-            self._settings,
-        )
+        previous = {name: getattr(self, name) for name in _LOAD_REPLACES}
         try:
             error: BaseException | None = None
             try:
@@ -509,18 +473,23 @@ class Shampoo(torch.optim.Optimizer):
             self._built = False
             self._build(error, required=bool(error is None and state_dict["state"]))
         except BaseException:
-            (
-                self.param_groups,
-                self.state,
-                self._built,
-                self._batches,
-                self._blocks,
-                self._structures,
-                self._wire_dtype,
-                self._agreed,
-                self._settings,
-            ) = previous
+            for name, value in previous.items():
+                setattr(self, name, value)
             raise
+
+
+#: What :meth:`Shampoo.load_state_dict` replaces, and puts back when it refuses.
+_LOAD_REPLACES = [
+    "param_groups",
+    "state",
+    "_built",
+    "_batches",
+    "_blocks",
+    "_structures",
+    "_wire_dtype",
+    "_agreed",
+    "_settings",
+]
 
 
 #: The keywords :class:`Shampoo` takes (an unknown one is named with the nearest).

@@ -134,7 +134,9 @@ def fit(
             two seconds) with the loss (and λ, attempts for LM); ``False`` is silent.
         validation: evaluated after every epoch: an ``(inputs, targets)`` batch or an
             iterable of batches scored by ``metric``, or a function of no arguments
-            returning a number (then ``metric`` must be ``None``).
+            returning a number (then ``metric`` must be ``None``).  Batches are
+            checked before training, on two samples of the first batch (see
+            :mod:`~secondorder.training.probe`), so bad data fails before an epoch.
         metric: ``"loss"`` (default: the training loss on the validation data),
             ``"accuracy"`` (argmax of the outputs against class indices), or
             ``metric(outputs, targets) -> number`` averaged over samples.

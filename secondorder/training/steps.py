@@ -38,6 +38,9 @@ class LMStep:
     def __init__(self, optimizer: LevenbergMarquardt) -> None:
         self.optimizer = optimizer
         self.model: nn.Module = optimizer.model
+        #: A :class:`~secondorder.lm.ModelResidual` may couple samples: validation data
+        #: is then checked on whole batches, never on their first samples.
+        self.couples_samples = isinstance(optimizer.residual_fn, ModelResidual)
 
     def step(self, inputs: Any, targets: Any) -> StepResult:
         """One LM step (λ retries included) on the batch."""

@@ -4,11 +4,15 @@
 optimizer's :meth:`~secondorder.training.TrainingStep.batch_loss` counts (residual
 entries for Levenberg-Marquardt, samples for ``torch.optim``); ``"accuracy"`` compares
 the argmax of the outputs with class indices; a function ``metric(outputs, targets)`` is
-averaged over samples; a function of no arguments is its own metric.
+averaged over samples; a function of no arguments is its own metric.  Before training,
+:func:`~secondorder.training.probe.check_validation` scores the first samples of the
+first batch, so bad validation data fails before an epoch is spent.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .data import batch_size, batches, is_single_batch
+from .probe import check_validation
 from .protocol import TrainingStep
 
 __all__ = ["METRICS", "accuracy", "validator"]
@@ -71,8 +76,14 @@ def _callable_validator(fn: Callable[[], Any], metric: Any) -> tuple[Callable[[]
     return call, getattr(fn, "__name__", "validation")
 
 
-def _score(stepper: TrainingStep, metric: Any, inputs: Any, targets: Any) -> tuple[float, int]:
-    """``(total, count)`` of the metric on one batch, the model in eval mode."""
+def _score(
+    stepper: TrainingStep, metric: Any, inputs: Any, targets: Any
+) -> tuple[float, int | float]:
+    """``(total, count)`` of the metric on one batch, the model in eval mode.
+
+    The count is what the mean divides by: samples, residual entries, or (a loss
+    with class weights) the batch's weight.
+    """
     if metric in (None, "loss"):
         return stepper.batch_loss(inputs, targets)
     with torch.no_grad():
@@ -88,7 +99,11 @@ def validator(
     validation: Any,
     metric: str | Callable[[Tensor, Tensor], Any] | None,
 ) -> tuple[Callable[[], float], str]:
-    """``(evaluate, name)``: a function measuring the metric now, and the metric's name."""
+    """``(evaluate, name)``: a function measuring the metric now, and the metric's name.
+
+    Batches of data are checked now, on the first samples of the first batch (see
+    :mod:`~secondorder.training.probe`); a function of no arguments is not called.
+    """
     if callable(validation) and not isinstance(validation, (Tensor, nn.Module)):
         return _callable_validator(validation, metric)
     if isinstance(metric, str) and metric not in METRICS:
@@ -107,17 +122,20 @@ def validator(
     model = stepper.model
 
     def evaluate() -> float:
-        total, count = 0.0, 0
+        total, count, seen = 0.0, 0.0, 0
         was_training = model.training
         model.eval()
         try:
             for inputs, targets in held_out():
                 value, k = _score(stepper, metric, inputs, targets)
-                total, count = total + value, count + k
+                total, count, seen = total + value, count + k, seen + 1
         finally:
             model.train(was_training)
-        if count == 0:
+        if seen == 0:
             raise ValueError("validation yielded no batches")
-        return total / count
+        # Nothing to average (every target ignored, or weighted zero): NaN, as torch's
+        # mean of no elements.
+        return total / count if count else math.nan
 
+    check_validation(stepper, validation, name, functools.partial(_score, stepper, metric))
     return evaluate, name

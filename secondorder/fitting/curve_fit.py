@@ -103,7 +103,9 @@ def curve_fit(
             (see :func:`pivoted_qr`), plus ``njev`` and ``result`` (the full
             :class:`~secondorder.fitting.OptimizeResult`, for :func:`fit_report`).
             With method "lm" ``ier`` is MINPACK's (1: ftol, 2: xtol, 3: both, 4: gtol)
-            as in scipy; otherwise least_squares' ``status``.
+            as in scipy; otherwise least_squares' ``status``.  Types are scipy's:
+            ``nfev`` an int, ``mesg`` a str, ``ier`` an int, the arrays float64
+            (``ipvt`` int32) NumPy arrays, or tensors where ``popt`` is one.
         nan_policy: ``None``; ``"raise"`` (NaN in the data raises); ``"omit"`` (points
             where ``xdata`` or ``ydata`` is NaN are dropped, with their ``sigma``);
             ``"propagate"`` is refused, as scipy refuses it.
@@ -291,23 +293,26 @@ def _outputs(
         raise RuntimeError(f"Optimal parameters not found: {res.message}")
     popt = as_float64(res.x, "popt")
     pcov = as_float64(covariance(res, absolute_sigma=absolute_sigma), "pcov")
-    out_popt = popt if tensors else popt.numpy()
-    out_pcov = pcov if tensors else pcov.numpy()
+
+    def kind(t: Tensor) -> Any:
+        """Tensors for a tensor ``p0``, else NumPy arrays, as for ``popt`` and ``pcov``."""
+        return t if tensors else t.numpy()
+
     if not full_output:
-        return out_popt, out_pcov
-    fjac, ipvt, qtf = pivoted_qr(
-        as_float64(res.jac, "jac").numpy(), as_float64(res.fun, "fun").numpy()
-    )
+        return kind(popt), kind(pcov)
+    fvec = as_float64(res.fun, "fun").reshape(-1)
+    fjac, ipvt, qtf = pivoted_qr(as_float64(res.jac, "jac").numpy(), fvec.numpy())
+    # scipy's types: arrays (here tensors for a tensor p0), Python ints and a str.
     infodict = {
-        "nfev": res.nfev,
-        "njev": res.njev,
-        "fvec": res.fun,
-        "fjac": fjac,
-        "ipvt": ipvt,
-        "qtf": qtf,
+        "nfev": int(res.nfev),
+        "njev": None if res.njev is None else int(res.njev),
+        "fvec": kind(fvec),
+        "fjac": kind(torch.from_numpy(fjac)),
+        "ipvt": kind(torch.from_numpy(ipvt)),
+        "qtf": kind(torch.from_numpy(qtf)),
         "result": res,
     }
     if minpack and res.status in _MINPACK_IER:
         ier, mesg = _MINPACK_IER[res.status]
-        return out_popt, out_pcov, infodict, mesg, ier
-    return out_popt, out_pcov, infodict, res.message, res.status
+        return kind(popt), kind(pcov), infodict, mesg, ier
+    return kind(popt), kind(pcov), infodict, str(res.message), int(res.status)

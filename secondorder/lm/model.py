@@ -22,6 +22,7 @@ from ..distributed import Reducer
 from ..distributed.devices import DeviceGroup
 from .carry import ForwardCarry
 from .jacobian import ResidualProgram, outer_product_layers
+from .loss_mean import LossMean
 from .residuals import ModelResidual
 
 __all__ = [
@@ -217,6 +218,8 @@ class ModelFunction:
         self.n = sum(self.numels)
         self.reducer = reducer
         self.coupled_residual = isinstance(residual_fn, ModelResidual)
+        #: The reported loss's denominator where it is not the residual count.
+        self.loss_mean = LossMean.of(residual_fn)
         self.group = (
             group if group is not None else DeviceGroup([params[0].device], params[0].device)
         )

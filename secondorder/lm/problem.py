@@ -6,7 +6,8 @@ function of x) and a :class:`BatchSetup` (the batch and the choices made for it:
 Jacobian strategy, solver, form, slice size, Gram dtype).  Its only state is the
 residual count of each slice at the last linearisation, against which every trial
 point is checked (a residual function whose output size changes between the two
-would otherwise compare losses over different residuals).  ``linearize`` walks the
+would otherwise compare losses over different residuals), and the denominator of the
+reported loss where that is not the count (:mod:`.loss_mean`).  ``linearize`` walks the
 batch slice by slice, reduces the slices' sums into one
 :class:`~secondorder.lm.linalg.NormalEquations` record (through the reducer, the only
 stage that talks to other processes), and keeps J's rows only where the dual form or
@@ -95,6 +96,11 @@ class ModelProblem:
         self.needs_kronecker = setup.solver.needs_kronecker
         #: Residuals of each slice at the last linearisation (this rank's), and their sum.
         self.slice_counts: list[int] | None = None
+        #: The denominator of the reported loss where it is not the residual count
+        #: (cross-entropy, :mod:`.loss_mean`): ``None``, or its rule and, at the last
+        #: linearisation, its value over every rank (0-d float64 on the solver device).
+        self.loss_mean = function.loss_mean
+        self.weight_sum: Tensor | None = None
 
     # -- what the batch was set up with, by name ----------------------------------------
     @property
@@ -214,6 +220,14 @@ class ModelProblem:
             # diag(JᵀJ) comes free with the Gram.
             col_sq = gram.diagonal().to(x.dtype).clone()
         wide = torch.float64
+        weight_sum = None
+        if self.loss_mean is not None:
+            # Summed over every slice and rank, as the loss is: the mean is the batch's.
+            weight_sum = (
+                self.loss_mean.total(self.setup.targets, sums.count, x.device)
+                if error is None
+                else torch.zeros((), dtype=wide, device=x.device)
+            )
         if self.reducer.is_identity:
             # Alone: nothing to sum, and an error is raised as it is.
             self.reducer.raise_together(error, 0.0, "linearising")
@@ -228,10 +242,13 @@ class ModelProblem:
                     torch.full((), float(sums.count), dtype=wide, device=x.device),
                     torch.full((), float(error is not None), dtype=wide, device=x.device),
                 ]
+                + ([] if weight_sum is None else [weight_sum])
             )
             self.reducer.sum_([tally, sums.grad, col_sq] + ([gram] if gram is not None else []))
             self.reducer.raise_together(error, tally[2], "linearising")
             loss_sum, count = tally[0], self.reducer.total(sums.count, tally[1])
+            weight_sum = None if weight_sum is None else tally[3]
+        self.weight_sum = weight_sum
         jac, residuals = self._rows(sums)
         dual = self.form == "dual"
         dual_scale = None
@@ -256,6 +273,7 @@ class ModelProblem:
         check = None if carry is None else carry.check
         system = NormalEquations(
             count=count,
+            weight_sum=weight_sum,
             carry_check=check,
             reducer=self.reducer,
             rows_sharded=self.rows_sharded,

@@ -7,6 +7,7 @@ device, that the user reads when (and if) they want to.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from typing import Any
@@ -116,11 +117,15 @@ def step_info(
     timings: dict[str, float],
     t_start: float,
 ) -> StepInfo:
-    """The default step's report of ``out`` (λ after the step: ``damping``)."""
-    count = max(system.count, 1)
+    """The default step's report of ``out`` (λ after the step: ``damping``).
+
+    The losses are means over :meth:`~.linalg.NormalEquations.mean_denominator`: the
+    residual count, or cross-entropy's weighted count (NaN where that is 0, as torch's).
+    """
+    count = system.mean_denominator()
     return StepInfo(
-        loss=out.loss_sum / count,
-        loss_before=out.loss_sum_before / count,
+        loss=out.loss_sum / count if count else math.nan,
+        loss_before=out.loss_sum_before / count if count else math.nan,
         accepted=out.accepted,
         terminated=out.stop,
         reason=out.reason,
@@ -136,8 +141,18 @@ def step_info(
 
 
 def capturable_info(run: StepRun, t_start: float) -> StepInfo:
-    """The capturable step's report: 0-d tensors, and ``terminated`` from a check step."""
+    """The capturable step's report: 0-d tensors, and ``terminated`` from a check step.
+
+    The step reports means over the residual count; for cross-entropy they are
+    rescaled, on the device, to means over the batch's weighted count
+    (:mod:`.loss_mean`).
+    """
     report, prob, precision, checked = run.report, run.problem, run.precision, run.checked
+    if prob.weight_sum is not None:
+        weights = prob.weight_sum
+        # Exactly 1 where the weights are the count: the numbers are then unchanged.
+        factor = torch.where(weights > 0, max(run.count, 1) / weights, math.nan)
+        report = torch.cat([report[:2] * factor, report[2:]])
     values = dict(zip(REPORT, report.unbind(), strict=True))
     terminated = checked is not None and checked[0]
     reason = CAPTURABLE_REASON

@@ -3,7 +3,9 @@
 Levenberg-Marquardt minimises ``½‖r‖²`` where ``r`` is a vector of residuals.  A
 residual function maps ``(outputs, targets)`` to a tensor whose first dimension is the
 batch; every entry is one residual.  The optimizer reports ``loss = mean(r²)`` over all
-entries, so each adapter below is chosen such that this mean is the familiar loss.
+entries, so each adapter below is chosen such that this mean is the familiar loss
+(cross-entropy's, as torch's, is divided by the weight of the targets it counts:
+:mod:`.loss_mean`).
 
 Losses that are not a sum of squares go through the *square-root trick*: with a
 per-sample loss ``ℓᵢ ≥ 0`` we set ``rᵢ = sqrt(ℓᵢ)``, so ``Σ rᵢ² = Σ ℓᵢ``.  The
@@ -199,10 +201,11 @@ def cross_entropy(
 
     ``logits`` has shape ``(batch, classes, ...)``; ``targets`` holds class indices of
     shape ``(batch, ...)`` or class probabilities of the logits' shape.  The residual of
-    a sample is ``sqrt(CE + eps)``, so ``mean(r²)`` is the mean cross-entropy.
-    ``weight``, ``ignore_index`` and ``label_smoothing`` mean what they mean for
-    :func:`torch.nn.functional.cross_entropy`; an ignored sample's residual is the
-    constant ``sqrt(eps)``.
+    a sample is ``sqrt(CE + eps)``.  ``weight``, ``ignore_index`` and
+    ``label_smoothing`` mean what they mean for :func:`torch.nn.functional.cross_entropy`;
+    an ignored sample's residual is the constant ``sqrt(eps)``.  The optimizer reports
+    torch's mean: ``Σr²`` over ``Σ w[yᵢ]`` of the samples not ignored (over the
+    sample count for probability targets), see :mod:`.loss_mean`.
     """
     logits = _output_tensor("cross_entropy", logits)
     if targets is None or not isinstance(targets, Tensor):

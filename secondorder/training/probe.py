@@ -9,7 +9,8 @@ same code the epochs run, so the error is the one validation would raise later.
 What it costs: the first batch is drawn from the validation data (for a
 ``DataLoader``, one more iterator: its workers start once more) and the model runs
 forward on two samples.  The whole first batch is scored instead where two samples
-would not be the same check: a residual that couples the samples (a
+would not be the same check: a residual that couples the samples (a step whose
+``couples_samples`` is true, as Levenberg-Marquardt's with a
 :class:`~secondorder.lm.ModelResidual`), a batch whose tensors differ in length, or to
 confirm a refusal of the two samples (a model that only takes full batches).  The
 random number generators the draw uses (torch's, Python's, NumPy's and the loader's
@@ -112,7 +113,7 @@ def check_validation(
     stepper: TrainingStep,
     validation: Any,
     name: str,
-    score: Callable[[Any, Any], tuple[float, int | float]],
+    score: Callable[[Any, Any], tuple[float, float]],
 ) -> None:
     """Score the first validation batch's first samples now; raise what validation would.
 

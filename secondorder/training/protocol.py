@@ -80,11 +80,12 @@ class TrainingStep(Protocol):
         """Update the parameters on one batch and report the step."""
         ...
 
-    def batch_loss(self, inputs: Any, targets: Any) -> tuple[float, int]:
+    def batch_loss(self, inputs: Any, targets: Any) -> tuple[float, float]:
         """``(sum, count)`` of the training loss on a held-out batch, without training.
 
         ``fit``'s ``metric="loss"`` is the sum over the validation batches divided by
-        the count, so the loss is averaged over samples whatever the batch sizes.
+        the count, so the loss is averaged over samples whatever the batch sizes (the
+        count may be a weight: torch's weighted cross-entropy divides by one).
         """
         ...
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..lm import LevenbergMarquardt, ModelResidual
+from ..lm.loss_mean import LossMean
 from .data import batch_size
 from .history import StepRecord
 from .protocol import StepResult, TrainingStep
@@ -41,6 +42,7 @@ class LMStep:
         #: A :class:`~secondorder.lm.ModelResidual` may couple samples: validation data
         #: is then checked on whole batches, never on their first samples.
         self.couples_samples = isinstance(optimizer.residual_fn, ModelResidual)
+        self._mean = LossMean.of(optimizer.residual_fn)
 
     def step(self, inputs: Any, targets: Any) -> StepResult:
         """One LM step (λ retries included) on the batch."""
@@ -61,8 +63,12 @@ class LMStep:
             info=info,
         )
 
-    def batch_loss(self, inputs: Any, targets: Any) -> tuple[float, int]:
-        """``(Σ r², number of residuals)``: the validation loss is ``mean(r²)``."""
+    def batch_loss(self, inputs: Any, targets: Any) -> tuple[float, float]:
+        """``(Σ r², number of residuals)``: the validation loss is ``mean(r²)``.
+
+        For cross-entropy the count is torch's, the weight of the targets not ignored
+        (:mod:`~secondorder.lm.loss_mean`), so the loss is torch's mean over the data.
+        """
         residual_fn = self.optimizer.residual_fn
         if isinstance(residual_fn, ModelResidual):
             r = residual_fn.fn(self.model, inputs, targets)
@@ -70,6 +76,8 @@ class LMStep:
             with torch.no_grad():
                 r = residual_fn(self.model(inputs), targets)
         r = r.detach().reshape(-1).to(torch.float64)  # sum in float64 over many batches
+        if self._mean is not None:
+            return float(torch.dot(r, r)), float(self._mean.total(targets, r.numel(), r.device))
         return float(torch.dot(r, r)), r.numel()
 
     def describe(self, record: StepRecord) -> str:

@@ -76,9 +76,7 @@ def _callable_validator(fn: Callable[[], Any], metric: Any) -> tuple[Callable[[]
     return call, getattr(fn, "__name__", "validation")
 
 
-def _score(
-    stepper: TrainingStep, metric: Any, inputs: Any, targets: Any
-) -> tuple[float, int | float]:
+def _score(stepper: TrainingStep, metric: Any, inputs: Any, targets: Any) -> tuple[float, float]:
     """``(total, count)`` of the metric on one batch, the model in eval mode.
 
     The count is what the mean divides by: samples, residual entries, or (a loss

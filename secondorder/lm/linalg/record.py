@@ -53,6 +53,10 @@ class NormalEquations:
     Attributes:
         loss_sum: ``Σ r²`` over every residual entry (a 0-d tensor).
         count: number of residual entries.
+        weight_sum: what the reported loss divides ``loss_sum`` by where that is not
+            ``count`` (cross-entropy's ``Σ w[yᵢ]``, :mod:`~secondorder.lm.loss_mean`), a
+            0-d float64 tensor summed over slices and ranks, read with :meth:`scalars`;
+            ``None``: ``count``.  Only the report uses it.
         grad: ``Jᵀr``.
         col_sq: ``diag(JᵀJ)``, the squared column norms of J.
         gram: ``JᵀJ`` (primal form with a factorising solver), else ``None``.
@@ -102,12 +106,14 @@ class NormalEquations:
     carry_check: Tensor | None = field(default=None, repr=False, compare=False)
     reducer: Reducer = field(default_factory=LocalReducer, repr=False, compare=False)
     rows_sharded: bool = False
+    weight_sum: Tensor | None = None
     _host: tuple[bool, float, float] | None = field(
         default=None, init=False, repr=False, compare=False
     )
     #: ``carry_check`` as read by :meth:`scalars` (True without a check).
     carry_valid: bool = field(default=True, init=False, repr=False, compare=False)
     _dual_scale_host: float | None = field(default=None, init=False, repr=False, compare=False)
+    _weight_sum_host: float | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -149,12 +155,16 @@ class NormalEquations:
             read = [finite.to(wide), self.loss_sum.to(wide), cos.to(wide)]
             if self.dual_scale is not None:
                 read.append(self.dual_scale.to(wide))
+            if self.weight_sum is not None:
+                read.append(self.weight_sum.to(wide))
             if self.carry_check is not None:
                 read.append(self.carry_check.to(wide))
             values = torch.stack(read).tolist()
             self._host = (bool(values[0]), values[1], values[2])
             if self.dual_scale is not None:
                 self._dual_scale_host = values[3]
+            if self.weight_sum is not None:
+                self._weight_sum_host = values[3 + (self.dual_scale is not None)]
             if self.carry_check is not None:
                 self.carry_valid = bool(values[-1])
         return self._host
@@ -176,12 +186,28 @@ class NormalEquations:
         in its last bit (it is only compared with gtol).
         """
         gram = None if self.gram is None else self.gram.numpy()
-        return _host_scalars(float(self.loss_sum), self.grad.numpy(), self.col_sq.numpy(), gram)
+        if self.weight_sum is None:
+            loss = float(self.loss_sum)
+        else:  # one read for both
+            loss, self._weight_sum_host = torch.stack([self.loss_sum, self.weight_sum]).tolist()
+        return _host_scalars(loss, self.grad.numpy(), self.col_sq.numpy(), gram)
 
     def dual_scale_value(self) -> float | None:
         """``dual_scale`` as a number (read in :meth:`scalars`'s one synchronisation)."""
         self.scalars()
         return self._dual_scale_host
+
+    def mean_denominator(self) -> float:
+        """What the reported loss divides ``Σ r²`` by: ``weight_sum``, else ``count``.
+
+        Read with :meth:`scalars` (its own read only for a system formed on the host).
+        """
+        if self.weight_sum is None:
+            return float(max(self.count, 1))
+        self.scalars()
+        if self._weight_sum_host is None:
+            self._weight_sum_host = float(self.weight_sum)
+        return self._weight_sum_host
 
     def curvature(self, delta: Tensor) -> Tensor:
         """``‖Jδ‖² = δᵀJᵀJδ``, the curvature of the linear model along ``delta``.

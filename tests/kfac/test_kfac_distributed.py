@@ -19,32 +19,32 @@ import torch.distributed as dist
 from torch import nn
 
 from secondorder.kfac import KFAC
-from secondorder.testing import run_ranks
+from tests.kfac.kfac_ranks import (
+    DT,
+    SETTINGS,
+    STEPS,
+    assert_ranks_match,
+    batch,
+    launcher,
+    loss,
+    momentum_sgd,
+    shard,
+)
+from tests.kfac.kfac_ranks import Net as _Net
 
 pytestmark = pytest.mark.distributed
 
-DT = torch.float64
-N = 8  # global batch
-STEPS = 3
 
+class Net(_Net):
+    """Grouped convolution with reflect padding, ReLU; 2 outputs."""
 
-class Net(nn.Module):
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(7)
-        self.emb = nn.Embedding(6, 4)
-        self.conv = nn.Conv1d(4, 6, 3, padding="same", padding_mode="reflect", groups=2)
-        self.fc1 = nn.Linear(6 * 5, 8)
-        self.fc2 = nn.Linear(8, 2)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.conv(self.emb(idx).transpose(1, 2))).flatten(1)
-        return self.fc2(torch.relu(self.fc1(h)))
+        conv = {"padding": "same", "padding_mode": "reflect", "groups": 2}
+        super().__init__(seed=7, vocab=6, conv=conv, hidden=8, out=2, act=torch.relu)
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 6, (N, 5), generator=g), torch.randn(N, 2, generator=g, dtype=DT)
+    return batch(100 + step, vocab=6, out=2)
 
 
 def scenarios(world: int) -> list[tuple[str, dict[str, Any]]]:
@@ -66,22 +66,12 @@ def train(kw: dict[str, Any], rank: int, world: int) -> dict[str, torch.Tensor]:
     ddp = kw.pop("ddp", False)
     model = Net().to(DT)
     net: nn.Module = nn.parallel.DistributedDataParallel(model) if ddp else model
-    settings: dict[str, Any] = {
-        "damping": 0.05,
-        "kl_clip": 1e-2,
-        "lr": 0.1,
-        "inv_update_steps": 2,
-        "inv_dtype": DT,
-    }
-    settings.update(kw)
-    k = KFAC(net, **settings)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    b = N // world
+    k = KFAC(net, **{**SETTINGS, **kw})
+    opt = momentum_sgd(model)
     for step in range(STEPS):
-        x, y = data(step)
-        x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
+        x, y = shard(*data(step), rank, world)
         opt.zero_grad()
-        (0.5 * ((net(x) - y) ** 2).sum(1).mean()).backward()
+        loss(net(x), y).backward()
         if world > 1 and not ddp:
             # a plain model: the user averages the gradients, as DDP would
             for p in model.parameters():
@@ -101,11 +91,7 @@ def job(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     return {name: train(kw, rank, world) for name, kw in scenarios(world)}
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def launched(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
-    world = request.param
-    results = run_ranks(job, world, deadline_s=240, timeout_s=120)
-    return world, {r: res.unwrap() for r, res in results.items()}
+launched = launcher(job, deadline_s=240, timeout_s=120)
 
 
 def test_ranks_equal_one_process_and_each_other(launched: tuple[int, dict[int, Any]]) -> None:
@@ -114,10 +100,8 @@ def test_ranks_equal_one_process_and_each_other(launched: tuple[int, dict[int, A
         kw = {k: v for k, v in kw.items() if k != "ddp"}
         ref = train(kw, 0, 1)
         for key in ref:
-            got0 = results[0][name][key]
-            torch.testing.assert_close(got0, ref[key], rtol=1e-10, atol=1e-12, msg=f"{name} {key}")
-            for r in range(1, world):
-                assert torch.equal(results[r][name][key], got0), f"{name} {key} rank {r}"
+            by_rank = [results[r][name][key] for r in range(world)]
+            assert_ranks_match(by_rank, ref[key], f"{name} {key}")
 
 
 def test_the_tolerance_would_catch_kaisas_scaling() -> None:

@@ -22,40 +22,35 @@ from torch import nn
 
 from secondorder.kfac import KFAC
 from secondorder.testing import run_ranks
+from tests.kfac.kfac_ranks import (
+    DT,
+    SETTINGS,
+    STEPS,
+    N,
+    assert_ranks_match,
+    batch,
+    launcher,
+    loss,
+    momentum_sgd,
+    shard,
+)
+from tests.kfac.kfac_ranks import Net as _Net
 
 pytestmark = pytest.mark.distributed
 
-DT = torch.float64
-N = 8  # global batch
-STEPS = 3
+__all__ = ["DT", "SETTINGS", "N", "Net", "data"]  # test_kfac_fsdp_checkpoint builds on them
 
 
-class Net(nn.Module):
+class Net(_Net):
+    """Zero-padded convolution, tanh; 3 outputs (fc2's rows shard unevenly on 4 ranks)."""
+
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.emb = nn.Embedding(7, 4)
-        self.conv = nn.Conv1d(4, 6, 3, padding=1)
-        self.fc1 = nn.Linear(6 * 5, 9)
-        self.fc2 = nn.Linear(9, 3)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.conv(self.emb(idx).transpose(1, 2))).flatten(1)
-        return self.fc2(torch.tanh(self.fc1(h)))
+        super().__init__(seed=3, vocab=7, conv={"padding": 1}, hidden=9, out=3, act=torch.tanh)
 
 
 def data(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(500 + 10 * step + micro)
-    return torch.randint(0, 7, (N, 5), generator=g), torch.randn(N, 3, generator=g, dtype=DT)
+    return batch(500 + 10 * step + micro, vocab=7, out=3)
 
-
-SETTINGS: dict[str, Any] = {
-    "damping": 0.05,
-    "kl_clip": 1e-2,
-    "lr": 0.1,
-    "inv_update_steps": 2,
-    "inv_dtype": DT,
-}
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "eigen": {},
@@ -92,15 +87,12 @@ def train(name: str, rank: int, world: int) -> torch.Tensor:
         fully_shard(model, mesh=mesh)
     k = KFAC(model, **{**SETTINGS, **kw})
     net = torch.compile(model) if compiled else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    b = N // world
+    opt = momentum_sgd(model)
     for step in range(STEPS):
         opt.zero_grad()
         for m in range(micro):
-            x, y = data(step, m)
-            x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
-            loss = 0.5 * ((net(x) - y) ** 2).sum(1).mean() / micro
-            loss.backward()
+            x, y = shard(*data(step, m), rank, world)
+            (loss(net(x), y) / micro).backward()
         k.step()
         opt.step()
     return torch.cat([_whole(p).reshape(-1) for p in model.parameters()])
@@ -120,11 +112,7 @@ def job(rank: int, world: int, compiled: bool = False) -> dict[str, torch.Tensor
     return {name: train(name, rank, world) for name in scenarios(world, compiled)}
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def launched(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
-    world = request.param
-    results = run_ranks(job, world, deadline_s=300, timeout_s=150)
-    return world, {r: res.unwrap() for r, res in results.items()}
+launched = launcher(job, deadline_s=300, timeout_s=150)
 
 
 COMPILE_WARNINGS = (
@@ -136,11 +124,7 @@ COMPILE_WARNINGS = (
 
 
 def check(world: int, results: dict[int, Any], name: str) -> None:
-    ref = train(name, 0, 1)
-    got = results[0][name]
-    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
-    for r in range(1, world):
-        assert torch.equal(results[r][name], got), f"rank {r}"
+    assert_ranks_match([results[r][name] for r in range(world)], train(name, 0, 1), name)
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "compiled"])
@@ -166,11 +150,11 @@ def test_a_compiled_model_equals_the_model() -> None:
     model = Net().to(DT)
     k = KFAC(model, **SETTINGS)
     net = torch.compile(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = momentum_sgd(model)
     for step in range(STEPS):
         x, y = data(step)
         opt.zero_grad()
-        (0.5 * ((net(x) - y) ** 2).sum(1).mean()).backward()
+        loss(net(x), y).backward()
         k.step()
         opt.step()
     got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -181,11 +165,11 @@ def test_the_comparison_sees_a_preconditioner_left_out() -> None:
     # plain SGD differs from K-FAC at far above the tolerance: the test can fail
     model = Net().to(DT)
     ref = train("eigen", 0, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = momentum_sgd(model)
     for step in range(STEPS):
         x, y = data(step)
         opt.zero_grad()
-        (0.5 * ((model(x) - y) ** 2).sum(1).mean()).backward()
+        loss(model(x), y).backward()
         opt.step()
     sgd = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert not torch.allclose(sgd, ref, rtol=1e-6, atol=1e-8)

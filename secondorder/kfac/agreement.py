@@ -1,14 +1,17 @@
 """Ranks that fail together: one small all-reduce decides whether a step goes on.
 
 A K-FAC step mixes local work (hook checks, folding the factors, the decompositions a
-rank owns, preconditioning) with collectives (the factor all-reduce, the broadcasts of
-decompositions and preconditioned gradients).  If one rank raised in its local work
-and the others went on, they would wait in the next collective for a rank that never
-comes, or pair it with a different one.  So before each collective that follows local
-work, every rank reports whether that work failed, and the step's settings, in one
-row of a ``world × (1 + settings)`` table that an all-reduce of the ranks' rows (zeros
-elsewhere) assembles exactly.  Every rank reads the same table and takes the same
-branch: all go on, or all raise before anything is committed.
+rank owns, preconditioning, the KL clip, writing ``.grad``) with collectives (the
+factor all-reduce, the broadcasts of decompositions and preconditioned gradients).  If
+one rank raised in its local work and the others went on, they would wait in the next
+collective for a rank that never comes, pair it with a different one, or commit a step
+that rank refused.  So a step agrees twice: before its first collective (the checks and
+the step's settings), and after every rank has committed or failed (a rank that
+failed makes the others put their old state back).  In between, a rank whose local
+work failed still makes every collective, with placeholders.  Each agreement is one
+row per rank of a ``world × (1 + settings)`` table that an all-reduce of the ranks'
+rows (zeros elsewhere) assembles exactly; every rank reads the same table and takes
+the same branch.
 """
 
 from __future__ import annotations
@@ -56,10 +59,12 @@ def agree(
             raise error
         return
     names = list(settings)
-    table = torch.zeros(world, 1 + len(names), dtype=torch.float64, device=device)
-    table[rank, 0] = 0.0 if error is None else 1.0
-    if error is None and names:
-        table[rank, 1:] = torch.tensor([float(settings[n]) for n in names], dtype=torch.float64)
+    try:
+        table = _row(world, rank, error, [float(settings[n]) for n in names], device)
+    except BaseException as exc:
+        # this rank still reports, as failed: a peer must not wait for it in the sum
+        error = error or exc
+        table = _row(world, rank, error, [0.0] * len(names), device)
     reducer.sum_([table])
     rows = table.cpu().tolist()
     failed = [r for r in range(world) if rows[r][0] != 0.0]
@@ -82,6 +87,17 @@ def agree(
             f"{what}: the settings must be the same on all {world} ranks, but "
             f"{'; '.join(differ)}. Every rank refused the step; nothing changed."
         )
+
+
+def _row(
+    world: int, rank: int, error: BaseException | None, values: list[float], device: torch.device
+) -> torch.Tensor:
+    """The ``world × (1 + settings)`` table, zero but for this rank's row."""
+    table = torch.zeros(world, 1 + len(values), dtype=torch.float64, device=device)
+    table[rank, 0] = 0.0 if error is None else 1.0
+    if error is None and values:
+        table[rank, 1:] = torch.tensor(values, dtype=torch.float64)
+    return table
 
 
 def shared_settings(config: KFACConfig, layers: Mapping[str, KFACLayer], k: int) -> dict[str, Any]:

@@ -7,7 +7,6 @@ every preconditioned layer), then ``optimizer.step()``.
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,13 +21,20 @@ from .assignment import WorkAssignment, assign_work, factor_cost
 from .checkpoint import layers_state
 from .config import KAISA, KAISA_OPTIONS, KFACConfig
 from .discovery import SUPPORTED_MODULES, check_model_and_scaler, discover_layers, layer_table
-from .exchange import share_inverses, share_preconditioned
+from .exchange import receive_buffers, share_inverses, share_preconditioned
 from .hooks import StatsCapture, check_calls
 from .layers import KFACLayer
 from .loading import PreparedLoad, check_state, commit_load, prepare_load
-from .packing import pack_upper, sums_finite, unpack_upper
+from .packing import sums_finite, unpack_upper
 from .sharding import gather_grads, refuse_flat_parameters
-from .transaction import Snapshot, StepPlan, blank_settings, warn_about_statistics
+from .transaction import (
+    Snapshot,
+    StepPlan,
+    blank_settings,
+    kl_clip_scale,
+    stats_to_sum,
+    warn_about_statistics,
+)
 
 __all__ = ["KEYWORDS", "KFAC", "SUPPORTED_MODULES"]
 
@@ -234,11 +240,13 @@ class KFAC:
         """Update factors and decompositions when due, then precondition every ``.grad``.
 
         A step is a transaction: the new factors, decompositions and gradients are
-        computed into temporaries and written only once all of them exist.  If anything
-        raises first (a check, a decomposition, an interrupt), on any rank, every rank
-        raises and the factors, decompositions, step count, the statistics gathered
-        since the last step and every ``.grad`` are as they were: the step can be
-        retried, and the batch enters the factors once.
+        computed into temporaries and written only once all of them exist; the ranks
+        then agree that every one of them got that far, and put the old state back
+        together if one did not.  If anything raises (a check, a decomposition, an
+        interrupt), on any rank, every rank raises and the factors, decompositions,
+        step count, the statistics gathered since the last step and every ``.grad``
+        are as they were: the step can be retried, and the batch enters the factors
+        once.
         """
         self._step()
 
@@ -259,6 +267,8 @@ class KFAC:
             where,
         )
         assert plan is not None
+        # From here on every rank makes every collective of the step, whatever fails
+        # locally (it is recorded in ``error``), so that none waits for another.
         factors: dict[str, tuple[Tensor, Tensor]] = {}
         inv: dict[str, dict[str, Tensor]] = {}
         pre: dict[str, Tensor] = {}
@@ -277,27 +287,31 @@ class KFAC:
         except CollectiveError:
             raise
         except BaseException as exc:
-            error = exc
+            error = error or exc
         if plan.invert and self.assignment.grad_workers > 1:
-            # a rank whose part failed still takes part, with placeholders: the
-            # agreement below refuses the step everywhere before anything is written
-            share_inverses(self, inv, plan.i_steps)
+            # a rank whose part failed still takes part, with placeholders
+            share_inverses(self, inv, plan.received, plan.i_steps)
         if error is None:
             try:
                 pre = self._precondition(plan.grads, plan.damping, inv)
             except BaseException as exc:
                 error = exc
-        agree(self.reducer, error, {}, self._device, where)
-        pre = share_preconditioned(self, pre, plan.grads)
-        nu: float = 1.0
-        if plan.kl_clip is not None and pre:
-            # the products in the gradient's dtype, their sum accumulated in float64
-            grads = plan.grads
-            vg = sum(float((pre[n] * grads[n]).sum(dtype=torch.float64)) for n in pre)
-            vg *= plan.lr**2
-            if vg != 0.0:
-                nu = min(1.0, math.sqrt(plan.kl_clip / abs(vg)))
-        self._commit(plan, factors, inv, pre, nu, skipped=bool(bad), undo=undo)
+        pre, failed = share_preconditioned(self, pre, plan.present, plan.received)
+        error = error or failed
+        committed: Snapshot | None = None
+        if error is None:
+            try:
+                nu = kl_clip_scale(plan, pre)
+                committed = self._commit(plan, factors, inv, pre, nu, bool(bad), undo)
+            except BaseException as exc:
+                error = exc  # _commit put back what it had written
+        try:
+            # the last agreement: a rank that did not commit makes the others undo theirs
+            agree(self.reducer, error, {}, self._device, where)
+        except BaseException:
+            if committed is not None:
+                committed.restore(self)
+            raise
         warn_about_statistics(plan, bad, self.layers, self.grad_scaler)
 
     def _plan(self) -> StepPlan:
@@ -322,26 +336,10 @@ class KFAC:
             layers=list(self.layers),
         )
         if capture:
-            plan.stats = self._stats_to_sum()
+            plan.stats = stats_to_sum(self.layers, cfg.symmetry_aware, self.reducer, self._device)
+        plan.received = receive_buffers(self, plan.present, plan.invert, i_steps)
         plan.dropped = [n for n, layer in self.layers.items() if layer.dropped]
         return plan
-
-    def _stats_to_sum(self) -> list[Tensor]:
-        # Copies when they travel: the all-reduce writes into its tensors, and a step
-        # that fails after it must leave this rank's own sums for the retry.
-        packed = self.config.symmetry_aware
-        copy = self.reducer.world_size > 1
-        tensors: list[Tensor] = []
-        for layer in self.layers.values():
-            for t in layer.stats():
-                square = t.ndim == 3 and t.shape[-1] == t.shape[-2]
-                tensors.append(pack_upper(t) if packed and square else t.clone() if copy else t)
-        counts = torch.tensor(
-            [[layer.a_rows, layer.g_samples] for layer in self.layers.values()],
-            dtype=torch.float64,
-            device=self._device,
-        )
-        return [*tensors, counts]
 
     def _update_factors(
         self, stats: list[Tensor], decay: float
@@ -411,8 +409,8 @@ class KFAC:
         self, plan: StepPlan, factors: dict[str, tuple[Tensor, Tensor]],
         inv: dict[str, dict[str, Tensor]], pre: dict[str, Tensor], nu: float, skipped: bool,
         undo: list[Snapshot] | None = None,
-    ) -> None:  # fmt: skip
-        """Write the step; an interrupt while writing puts everything back."""
+    ) -> Snapshot:  # fmt: skip
+        """Write the step and return what it replaced; an interrupt puts everything back."""
         before = Snapshot.take(self, [p for n in pre for p in self.layers[n].params()])
         if undo is not None:
             undo.append(before)
@@ -433,6 +431,7 @@ class KFAC:
         except BaseException:
             before.restore(self)
             raise
+        return before
 
     # -- reporting ---------------------------------------------------------------------
     def summary(self) -> str:

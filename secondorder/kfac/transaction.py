@@ -9,17 +9,30 @@ tensors it overwrites.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from ..distributed import Reducer
+from .exchange import Received
 from .layers import KFACLayer
+from .packing import pack_upper
 from .parts import KFACParts
 
-__all__ = ["STATS_ATTRS", "Snapshot", "StepPlan", "blank_settings", "warn_about_statistics"]
+__all__ = [
+    "STATS_ATTRS",
+    "Snapshot",
+    "StepPlan",
+    "blank_settings",
+    "kl_clip_scale",
+    "stats_to_sum",
+    "warn_about_statistics",
+]
 
 #: The scheduled values the ranks must agree on at every step.
 SETTING_NAMES = (
@@ -67,6 +80,8 @@ class StepPlan:
     stats: list[Tensor] | None = None
     #: layers whose statistics an interrupted backward left out.
     dropped: list[str] = field(default_factory=list)
+    #: the buffers this rank receives decompositions and gradients into.
+    received: Received = field(default_factory=Received)
 
     def settings(self) -> dict[str, float]:
         """The values every rank must share, as floats (``kl_clip=None`` as -1)."""
@@ -159,6 +174,41 @@ class Snapshot:
                 setattr(layer, k, v)
         for k, v in self.capture.items():
             setattr(kfac._capture, k, v)
+
+
+def stats_to_sum(
+    layers: Mapping[str, KFACLayer], packed: bool, reducer: Reducer, device: torch.device
+) -> list[Tensor]:
+    """Every layer's ``[Σ a aᵀ, Σ g gᵀ]`` (upper triangles if ``packed``), then the counts.
+
+    Copies when they travel: the all-reduce writes into its tensors, and a step that
+    fails after it must leave this rank's own sums for the retry.
+    """
+    copy = reducer.world_size > 1
+    tensors: list[Tensor] = []
+    for layer in layers.values():
+        for t in layer.stats():
+            square = t.ndim == 3 and t.shape[-1] == t.shape[-2]
+            tensors.append(pack_upper(t) if packed and square else t.clone() if copy else t)
+    counts = torch.tensor(
+        [[layer.a_rows, layer.g_samples] for layer in layers.values()],
+        dtype=torch.float64,
+        device=device,
+    )
+    return [*tensors, counts]
+
+
+def kl_clip_scale(plan: StepPlan, pre: Mapping[str, Tensor]) -> float:
+    """The KL clip ``ν = min(1, √(kl_clip / |lr² Σ⟨P, ∇⟩|))`` of the step (1 without a clip).
+
+    The products are taken in the gradient's dtype, their sum accumulated in float64.
+    """
+    if plan.kl_clip is None or not pre:
+        return 1.0
+    grads = plan.grads
+    vg = sum(float((pre[n] * grads[n]).sum(dtype=torch.float64)) for n in pre)
+    vg *= plan.lr**2
+    return 1.0 if vg == 0.0 else min(1.0, math.sqrt(plan.kl_clip / abs(vg)))
 
 
 def warn_about_statistics(

@@ -213,6 +213,11 @@ class KFACLayer:
             return self.A, self.G
         return self.identity_factors()
 
+    def grad_shape(self) -> tuple[int, int, int]:
+        """The ``(groups, o, i)`` shape of :meth:`grad`: G's order by A's."""
+        a_shape, g_shape = self.factor_shapes()
+        return g_shape[0], g_shape[-1], a_shape[-1]
+
     def inverse_shapes(self, method: str, uses: int = 1) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors of :attr:`inv`, so a receiving rank can allocate them."""
         raise NotImplementedError

@@ -1,0 +1,158 @@
+"""A Ctrl-C at *every* torch call of one rank's K-FAC step: every rank refuses the step.
+
+On 2 real gloo ranks (a 10 s collective timeout), a first pass counts the torch calls
+rank 0 makes in one step; then the step is tried once per call, with a
+``KeyboardInterrupt`` raised at that call on rank 0 only (PyTorch's own dispatch hook,
+:class:`Sweep`).  After each try, rank 0 must have raised the interrupt and rank 1
+:class:`~secondorder.distributed.RankFailedError` (not a collective timeout), and both
+ranks' K-FAC, parameters and ``.grad`` must be bitwise as before the try.  Finally the
+step runs without a fault and must equal the same step of a K-FAC that never failed
+(bitwise).  COMM-OPT (the decompositions are broadcast) and MEM-OPT (the
+preconditioned gradients are broadcast), with the KL clip on.
+
+Out of reach, and left out of the sweep: calls inside the reducer's collectives
+(:mod:`secondorder.distributed` packs tensors there), and the read of an agreement's
+all-reduced table: a rank interrupted there has nobody left to tell.  The old step
+let rank 1 wait for a broadcast that rank 0 never reached (a fault in allocating a
+receive buffer), or commit a step that rank 0 refused (a fault in the KL clip's sum
+or while writing ``.grad``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from secondorder.distributed import RankFailedError
+from secondorder.kfac import KFAC
+from secondorder.testing import run_ranks
+from tests.kfac.faults import same, state_of
+
+pytestmark = pytest.mark.distributed
+
+DT = torch.float64
+
+
+class Sweep(TorchFunctionMode):
+    """Count the torch calls of a step; raise ``KeyboardInterrupt`` at call ``at`` (1-based)."""
+
+    def __init__(self, at: int | None = None) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if not _out_of_reach(func):
+            self.calls += 1
+            if self.calls == self.at:
+                raise KeyboardInterrupt(f"injected at call {self.at}")
+        return func(*args, **(kwargs or {}))
+
+
+def _out_of_reach(func: Callable[..., Any]) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if "secondorder/distributed/" in code.co_filename.replace("\\", "/"):
+            return True
+        if code.co_name == "agree" and getattr(func, "__name__", "") in ("cpu", "tolist"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def make(fraction: Any) -> tuple[nn.Sequential, KFAC]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    kfac = KFAC(net, damping=0.1, kl_clip=1e-2, inv_dtype=DT, grad_worker_fraction=fraction)
+    return net, kfac
+
+
+def backprop(net: nn.Module, i: int, rank: int, world: int) -> None:
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(8, 4, generator=g, dtype=DT), torch.randn(8, 3, generator=g, dtype=DT)
+    b = 8 // world
+    x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
+    net.zero_grad()
+    (0.5 * (net(x) - y).pow(2).sum(1).mean()).backward()
+    for p in net.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
+def sweep(rank: int, world: int, fraction: Any) -> dict[str, Any]:
+    """Rank 0 is interrupted at each of its calls in turn; what each rank saw."""
+    net, kfac = make(fraction)
+    ref_net, ref = make(fraction)
+    for m, k in ((net, kfac), (ref_net, ref)):
+        backprop(m, 0, rank, world)
+        k.step()
+        backprop(m, 1, rank, world)
+    counter = Sweep()
+    with counter:
+        ref.step()  # the clean step, counted (the same calls as kfac's on rank 0)
+    n = torch.tensor([float(counter.calls)], dtype=DT)
+    dist.broadcast(n, 0)
+    calls = int(n)
+    wrong: list[tuple[int, str, bool]] = []
+    for at in range(1, calls + 1):
+        before = state_of(kfac, net)
+        try:
+            with Sweep(at if rank == 0 else None):
+                kfac.step()
+            outcome = "stepped"
+        except KeyboardInterrupt as exc:
+            outcome = f"KeyboardInterrupt: {exc}"
+        except RankFailedError:
+            outcome = "RankFailedError"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        expected = "KeyboardInterrupt" if rank == 0 else "RankFailedError"
+        unchanged = same(state_of(kfac, net), before)
+        if not outcome.startswith(expected) or not unchanged:
+            wrong.append((at, outcome[:200], unchanged))
+            break  # the ranks may no longer be in step
+    if not wrong:
+        kfac.step()
+    return {
+        "calls": calls,
+        "wrong": wrong,
+        "retry equals clean": not wrong and same(state_of(kfac, net), state_of(ref, ref_net)),
+    }
+
+
+def job(rank: int, world: int) -> dict[str, Any]:
+    return {name: sweep(rank, world, fraction) for name, fraction in FRACTIONS.items()}
+
+
+FRACTIONS = {"comm-opt": 1.0, "mem-opt": "mem-opt"}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, Any]:
+    out = run_ranks(job, 2, timeout_s=10, deadline_s=600)
+    return {r: res.unwrap() for r, res in out.items()}
+
+
+@pytest.mark.parametrize("strategy", list(FRACTIONS))
+def test_an_interrupt_at_any_call_of_one_rank_is_refused_by_every_rank(
+    results: dict[int, Any], strategy: str
+) -> None:
+    for rank in (0, 1):
+        r = results[rank][strategy]
+        assert r["calls"] > 100  # the sweep saw the step's work, not an empty step
+        assert r["wrong"] == [], (rank, r["wrong"])
+        assert r["retry equals clean"]

@@ -51,6 +51,9 @@ class StatsCapture:
         self._next_call = 0
         #: steps taken: a gradient for a forward from before the last step is ignored.
         self.generation = 0
+        #: a checkpoint was loaded and the model not called since: the next step has
+        #: no statistics to fold in (those gathered before the load were dropped).
+        self.loaded = False
         self.handles: list[RemovableHandle] = []
 
     def attach(self, model: nn.Module, layers: dict[str, KFACLayer]) -> None:
@@ -67,17 +70,22 @@ class StatsCapture:
             h.remove()
         self.handles = []
 
-    def end_step(self) -> None:
-        """Forget which pass each layer last ran in (the next step starts afresh)."""
+    def end_step(self, loaded: bool = False) -> None:
+        """Forget which pass each layer last ran in (the next step starts afresh).
+
+        ``loaded``: a checkpoint replaced the state, until the model is called again.
+        """
         self.layer_pass.clear()
         self.layer_call.clear()
         self.generation += 1
+        self.loaded = loaded
 
     def _new_pass(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
         # One call of the model is one pass over its batch: a layer called several
         # times in it (weight sharing) sees the same samples at more positions.
         if not in_functorch_transform():
             self.passes += 1
+            self.loaded = False
 
     def _pass_of(self, layer: KFACLayer) -> int:
         # A call starts a new pass when the model was called again, or when a call of

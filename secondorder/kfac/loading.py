@@ -95,6 +95,11 @@ def commit_load(kfac: KFACParts, prepared: PreparedLoad) -> None:
         kfac.damping_override = prepared.damping_override
         kfac.skipped_factor_updates = prepared.skipped_factor_updates
         kfac._capture.capturing = prepared.capturing
+        # the statistics gathered since the last step belong to the state replaced,
+        # and a backward of a forward from before the load is ignored, as after a step
+        kfac._capture.end_step(loaded=True)
+        for layer in kfac.layers.values():
+            layer.reset_stats()
     except BaseException:
         undo.restore(kfac)
         raise

@@ -321,7 +321,7 @@ class KFAC:
         f_steps = cfg.at("factor_update_steps", step)
         i_steps = cfg.at("inv_update_steps", step)
         next_f_steps = cfg.at("factor_update_steps", step + 1)
-        capture = step % f_steps == 0
+        capture = step % f_steps == 0 and not self._capture.loaded
         plan = StepPlan(
             step=step,
             f_steps=f_steps,
@@ -473,9 +473,11 @@ class KFAC:
 
         ``recompute=True`` recomputes every loaded layer's decomposition from its
         factors, at the loaded step's damping, so a state saved without decompositions
-        (kfac-pytorch's, or one rank's) resumes at any step.  The load is one
-        transaction on every rank: if any rank refuses its state (or is interrupted),
-        every rank raises and no rank's K-FAC changes.
+        (kfac-pytorch's, or one rank's) resumes at any step.  The statistics gathered
+        since the last step are dropped with the state they belonged to (a rolled-back
+        batch does not reach the factors); a step before the next forward folds in
+        nothing.  The load is one transaction on every rank: if any rank refuses its
+        state (or is interrupted), every rank raises and no rank's K-FAC changes.
         """
         prepared: PreparedLoad | None = None
         error: BaseException | None = None

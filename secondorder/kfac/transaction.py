@@ -44,6 +44,7 @@ SETTING_NAMES = (
     "factor_update_steps",
     "inv_update_steps",
     "next factor_update_steps",
+    "factors updated",
 )
 #: A layer's statistics since the last factor update (reset by the commit).
 STATS_ATTRS = (
@@ -94,6 +95,7 @@ class StepPlan:
             self.f_steps,
             self.i_steps,
             self.next_f_steps,
+            self.stats is not None,
         )
         out = {name: float(v) for name, v in zip(SETTING_NAMES, values, strict=True)}
         # ranks must precondition the same layers, or their broadcasts would not pair up
@@ -152,6 +154,7 @@ class Snapshot:
             "layer_pass": dict(cap.layer_pass),
             "layer_call": dict(cap.layer_call),
             "generation": cap.generation,
+            "loaded": cap.loaded,
         }
         # the .grad tensor itself (DDP may hold it as a bucket view) and its values
         grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in params]

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import re
 import warnings
 from collections.abc import Callable
@@ -437,11 +436,15 @@ class KFACPreconditioner:
         a_shape, g_shape = self.kfac.layers[name].factor_shapes()
         out: dict[str, Any] = {"inv": {}}
         for key, t, shape in (("A", a, a_shape), ("G", g, g_shape)):
-            if not isinstance(t, Tensor) or t.numel() != math.prod(shape):
+            # (n, n) as KAISA saves it, or (groups, n, n): the same numbers in another
+            # shape are another layer's (a grouped convolution's blocks are no matrix)
+            shapes = [tuple(shape)] + ([tuple(shape[1:])] if shape[0] == 1 else [])
+            if not isinstance(t, Tensor) or tuple(t.shape) not in shapes:
                 raise ValueError(
                     f"KFACPreconditioner state of layer {name!r}: factor {key} must be a "
-                    f"tensor of shape {tuple(shape[-2:])}, got "
-                    f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
+                    f"tensor of shape {shapes[-1]}, got "
+                    f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}; "
+                    "the checkpoint is of another model."
                 )
             out[key] = t.reshape(shape)
         return out

@@ -10,11 +10,13 @@ rank's K-FAC as it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
+from .agreement import agree
 from .checkpoint import check_counters, check_layers_state, loaded_layers
 from .parts import KFACParts
 from .transaction import Snapshot
@@ -84,22 +86,48 @@ def prepare_load(
     )
 
 
-def commit_load(kfac: KFACParts, prepared: PreparedLoad) -> None:
-    """Assign ``prepared``; an interrupt while assigning puts the old state back."""
-    undo = Snapshot.take(kfac, [])
+def _assign(kfac: KFACParts, prepared: PreparedLoad) -> None:
+    for name, (a, g, inv) in prepared.layers.items():
+        layer = kfac.layers[name]
+        layer.A, layer.G, layer.inv = a, g, inv
+    kfac.steps = prepared.steps
+    kfac.damping_override = prepared.damping_override
+    kfac.skipped_factor_updates = prepared.skipped_factor_updates
+    kfac._capture.capturing = prepared.capturing
+    # the statistics gathered since the last step belong to the state replaced, and a
+    # backward of a forward from before the load is ignored, as after a step
+    kfac._capture.end_step(loaded=True)
+    for layer in kfac.layers.values():
+        layer.reset_stats()
+
+
+def commit_load(
+    kfac: KFACParts,
+    prepared: PreparedLoad,
+    what: str,
+    after: Callable[[], None] | None = None,
+    undo: Callable[[], None] | None = None,
+) -> None:
+    """Assign ``prepared`` (then call ``after``) on every rank, or on none.
+
+    Called once the ranks agreed that every one prepared its load.  A rank interrupted
+    while assigning puts its old state back, and the agreement that follows makes the
+    others put theirs back too (``undo`` undoes ``after``): every rank raises.
+    """
+    before: Snapshot | None = None
+    error: BaseException | None = None
     try:
-        for name, (a, g, inv) in prepared.layers.items():
-            layer = kfac.layers[name]
-            layer.A, layer.G, layer.inv = a, g, inv
-        kfac.steps = prepared.steps
-        kfac.damping_override = prepared.damping_override
-        kfac.skipped_factor_updates = prepared.skipped_factor_updates
-        kfac._capture.capturing = prepared.capturing
-        # the statistics gathered since the last step belong to the state replaced,
-        # and a backward of a forward from before the load is ignored, as after a step
-        kfac._capture.end_step(loaded=True)
-        for layer in kfac.layers.values():
-            layer.reset_stats()
+        try:
+            before = Snapshot.take(kfac, [])
+            _assign(kfac, prepared)
+            if after is not None:
+                after()
+        except BaseException as exc:
+            error = exc
+        agree(kfac.reducer, error, {}, kfac._device, what)
     except BaseException:
-        undo.restore(kfac)
+        if before is not None:
+            before.restore(kfac)
+        if undo is not None:
+            undo()
         raise

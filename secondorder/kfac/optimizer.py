@@ -274,13 +274,17 @@ class KFACOptimizer(torch.optim.SGD):
             super().load_state_dict(state)
         except BaseException as exc:
             error = exc
+
+        def undo() -> None:
+            self.state, self.param_groups = old_state, old_groups
+
         try:
             self.kfac._agree_load(error, "KFACOptimizer load_state_dict")
         except BaseException:
-            self.state, self.param_groups = old_state, old_groups
+            undo()
             raise
         assert prepared is not None
-        commit_load(self.kfac, prepared)
+        commit_load(self.kfac, prepared, "KFACOptimizer load_state_dict", undo=undo)
 
 
 class _StepUndo:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from ..distributed import Reducer
 from .assignment import WorkAssignment
 from .config import KFACConfig
@@ -36,3 +38,5 @@ class KFACParts(Protocol):
     _capture: StatsCapture
     _workers: Reducer
     _receivers: Reducer
+    #: where the ranks' agreement tables live.
+    _device: torch.device

@@ -253,19 +253,15 @@ class KFAC:
     def _step(self, error: BaseException | None = None, undo: list[Snapshot] | None = None) -> None:
         """:meth:`step`; all ranks refuse if ``error`` is set; ``undo`` gets the snapshot."""
         plan: StepPlan | None = None  # BaseException below: a Ctrl-C must reach every rank
+        where = f"K-FAC step {self.steps}"
         try:
             plan = None if error is not None else self._plan()
+            settings = plan.settings() if plan else blank_settings(self.layers)
         except BaseException as exc:
-            error = exc
-        where = f"K-FAC step {self.steps}"
+            error = error or exc
+            settings = blank_settings(self.layers)  # this rank still reports, as failed
         # every rank passed its checks and reads the same settings, before any collective
-        agree(
-            self.reducer,
-            error,
-            plan.settings() if plan else blank_settings(self.layers),
-            self._device,
-            where,
-        )
+        agree(self.reducer, error, settings, self._device, where)
         assert plan is not None
         # From here on every rank makes every collective of the step, whatever fails
         # locally (it is recorded in ``error``), so that none waits for another.
@@ -298,19 +294,20 @@ class KFAC:
                 error = exc
         pre, failed = share_preconditioned(self, pre, plan.present, plan.received)
         error = error or failed
-        committed: Snapshot | None = None
-        if error is None:
-            try:
-                nu = kl_clip_scale(plan, pre)
-                committed = self._commit(plan, factors, inv, pre, nu, bool(bad), undo)
-            except BaseException as exc:
-                error = exc  # _commit put back what it had written
+        taken = undo if undo is not None else []
+        first = len(taken)  # _commit appends its snapshot before it writes
         try:
+            if error is None:
+                try:
+                    nu = kl_clip_scale(plan, pre)
+                    self._commit(plan, factors, inv, pre, nu, bool(bad), taken)
+                except BaseException as exc:
+                    error = exc
             # the last agreement: a rank that did not commit makes the others undo theirs
             agree(self.reducer, error, {}, self._device, where)
         except BaseException:
-            if committed is not None:
-                committed.restore(self)
+            for snapshot in taken[first:]:
+                snapshot.restore(self)
             raise
         warn_about_statistics(plan, bad, self.layers, self.grad_scaler)
 
@@ -408,12 +405,11 @@ class KFAC:
     def _commit(
         self, plan: StepPlan, factors: dict[str, tuple[Tensor, Tensor]],
         inv: dict[str, dict[str, Tensor]], pre: dict[str, Tensor], nu: float, skipped: bool,
-        undo: list[Snapshot] | None = None,
-    ) -> Snapshot:  # fmt: skip
-        """Write the step and return what it replaced; an interrupt puts everything back."""
+        undo: list[Snapshot],
+    ) -> None:  # fmt: skip
+        """Write the step; ``undo`` gets what it replaces first."""
         before = Snapshot.take(self, [p for n in pre for p in self.layers[n].params()])
-        if undo is not None:
-            undo.append(before)
+        undo.append(before)
         try:
             for name, p in pre.items():
                 self.layers[name].set_grad(p.mul_(nu) if nu != 1.0 else p)
@@ -431,7 +427,6 @@ class KFAC:
         except BaseException:
             before.restore(self)
             raise
-        return before
 
     # -- reporting ---------------------------------------------------------------------
     def summary(self) -> str:
@@ -487,7 +482,7 @@ class KFAC:
             error = exc
         self._agree_load(error, "K-FAC load_state_dict")
         assert prepared is not None
-        commit_load(self, prepared)
+        commit_load(self, prepared, "K-FAC load_state_dict")
 
     def _agree_load(self, error: BaseException | None, what: str) -> None:
         """Every rank raises if any rank's preparation of a load failed."""

@@ -10,6 +10,7 @@ state before it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from secondorder.kfac import KFAC
 
-__all__ = ["Fault", "same", "state_of", "writes_a_grad"]
+__all__ = ["Fault", "LineSweep", "Sweep", "same", "state_of", "writes_a_grad"]
 
 #: A layer's statistics since the last factor update.
 STATS = ("a_sum", "g_sum", "a_rows", "g_samples", "forward_calls", "backward_calls", "counted")
@@ -54,6 +55,84 @@ class Fault(TorchFunctionMode):
             if self.calls == self.at:
                 raise self.error
         return func(*args, **(kwargs or {}))
+
+
+class Sweep(TorchFunctionMode):
+    """Count the torch calls of a step; raise ``KeyboardInterrupt`` at call ``at`` (1-based)."""
+
+    def __init__(self, at: int | None = None) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if not _out_of_reach(func):
+            self.calls += 1
+            if self.calls == self.at:
+                raise KeyboardInterrupt(f"injected at call {self.at}")
+        return func(*args, **(kwargs or {}))
+
+
+def _out_of_reach(func: Callable[..., Any]) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if "secondorder/distributed/" in code.co_filename.replace("\\", "/"):
+            return True
+        if code.co_name == "agree" and getattr(func, "__name__", "") in ("cpu", "tolist"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+class LineSweep:
+    """Count the lines K-FAC runs; raise ``KeyboardInterrupt`` before line ``at`` (1-based).
+
+    A Ctrl-C arrives between two bytecodes, wherever Python is, not only inside a
+    torch call: this sweep (``sys.settrace``) reaches the lines that call no torch
+    function, such as the assignments of a commit.  Lines of ``secondorder.kfac`` and
+    of KAISA's drop-in count when they run inside a function named in ``within``, and
+    not inside :func:`~secondorder.kfac.agreement.agree` (its all-reduce is where a
+    rank tells the others, and a rank interrupted while reading the result has nobody
+    left to tell).
+    """
+
+    PARTS = ("secondorder/kfac/", "secondorder/compat/kfac/")
+
+    def __init__(self, at: int | None = None, within: tuple[str, ...] = ()) -> None:
+        self.at, self.within, self.calls = at, within, 0
+
+    def __enter__(self) -> LineSweep:
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if not any(p in path for p in self.PARTS):
+            return None
+        names = set()
+        caller = frame
+        while caller is not None:
+            names.add(caller.f_code.co_name)
+            caller = caller.f_back
+        if "agree" in names or not names & set(self.within):
+            return None
+        return self._local
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.calls += 1
+            if self.calls == self.at:
+                raise KeyboardInterrupt(f"injected before line {self.at}")
+        return self._local
 
 
 def writes_a_grad(model: nn.Module) -> Callable[[tuple[Any, ...]], bool]:

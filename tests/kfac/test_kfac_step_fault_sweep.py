@@ -20,57 +20,21 @@ or while writing ``.grad``).
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from secondorder.distributed import RankFailedError
 from secondorder.kfac import KFAC
 from secondorder.testing import run_ranks
-from tests.kfac.faults import same, state_of
+from tests.kfac.faults import LineSweep, Sweep, same, state_of
 
 pytestmark = pytest.mark.distributed
 
 DT = torch.float64
-
-
-class Sweep(TorchFunctionMode):
-    """Count the torch calls of a step; raise ``KeyboardInterrupt`` at call ``at`` (1-based)."""
-
-    def __init__(self, at: int | None = None) -> None:
-        super().__init__()
-        self.at, self.calls = at, 0
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if not _out_of_reach(func):
-            self.calls += 1
-            if self.calls == self.at:
-                raise KeyboardInterrupt(f"injected at call {self.at}")
-        return func(*args, **(kwargs or {}))
-
-
-def _out_of_reach(func: Callable[..., Any]) -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if "secondorder/distributed/" in code.co_filename.replace("\\", "/"):
-            return True
-        if code.co_name == "agree" and getattr(func, "__name__", "") in ("cpu", "tolist"):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
 
 
 def make(fraction: Any) -> tuple[nn.Sequential, KFAC]:
@@ -93,7 +57,7 @@ def backprop(net: nn.Module, i: int, rank: int, world: int) -> None:
         p.grad /= world
 
 
-def sweep(rank: int, world: int, fraction: Any) -> dict[str, Any]:
+def sweep(rank: int, world: int, fraction: Any, mode: str) -> dict[str, Any]:
     """Rank 0 is interrupted at each of its calls in turn; what each rank saw."""
     net, kfac = make(fraction)
     ref_net, ref = make(fraction)
@@ -101,7 +65,7 @@ def sweep(rank: int, world: int, fraction: Any) -> dict[str, Any]:
         backprop(m, 0, rank, world)
         k.step()
         backprop(m, 1, rank, world)
-    counter = Sweep()
+    counter = MODES[mode]()
     with counter:
         ref.step()  # the clean step, counted (the same calls as kfac's on rank 0)
     n = torch.tensor([float(counter.calls)], dtype=DT)
@@ -111,7 +75,7 @@ def sweep(rank: int, world: int, fraction: Any) -> dict[str, Any]:
     for at in range(1, calls + 1):
         before = state_of(kfac, net)
         try:
-            with Sweep(at if rank == 0 else None):
+            with MODES[mode](at if rank == 0 else None):
                 kfac.step()
             outcome = "stepped"
         except KeyboardInterrupt as exc:
@@ -135,10 +99,19 @@ def sweep(rank: int, world: int, fraction: Any) -> dict[str, Any]:
 
 
 def job(rank: int, world: int) -> dict[str, Any]:
-    return {name: sweep(rank, world, fraction) for name, fraction in FRACTIONS.items()}
+    return {
+        (name, mode): sweep(rank, world, fraction, mode)
+        for name, fraction in FRACTIONS.items()
+        for mode in MODES
+    }
 
 
 FRACTIONS = {"comm-opt": 1.0, "mem-opt": "mem-opt"}
+#: every torch call of the step; every line of its commit (which calls few torch functions)
+MODES: dict[str, Any] = {
+    "torch calls": Sweep,
+    "commit lines": lambda at=None: LineSweep(at, within=("_commit",)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +120,13 @@ def results() -> dict[int, Any]:
     return {r: res.unwrap() for r, res in out.items()}
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("strategy", list(FRACTIONS))
-def test_an_interrupt_at_any_call_of_one_rank_is_refused_by_every_rank(
-    results: dict[int, Any], strategy: str
+def test_an_interrupt_at_any_point_of_one_rank_is_refused_by_every_rank(
+    results: dict[int, Any], strategy: str, mode: str
 ) -> None:
     for rank in (0, 1):
-        r = results[rank][strategy]
+        r = results[rank][strategy, mode]
         assert r["calls"] > 100  # the sweep saw the step's work, not an empty step
         assert r["wrong"] == [], (rank, r["wrong"])
         assert r["retry equals clean"]

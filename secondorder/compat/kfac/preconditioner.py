@@ -379,6 +379,15 @@ class KFACPreconditioner:
         hyper: dict[str, Any] = {}
         layers = None
         frozen: float | None = None
+        # preparing reads the schedules at the loaded step, which caches their values
+        own = ["_" + name for name in SCHEDULED] + ["_f_steps", "_frozen_damping"]
+        old = {name: getattr(self, name) for name in own}
+        old["_f_steps"] = dict(self._f_steps)
+
+        def undo() -> None:
+            for name, value in old.items():
+                setattr(self, name, value)
+
         try:
             if not isinstance(state_dict, dict) or "steps" not in state_dict:
                 raise ValueError("KFACPreconditioner.load_state_dict: expected a dict with 'steps'")
@@ -408,13 +417,21 @@ class KFACPreconditioner:
             prepared = prepare_load(self.kfac, native, recompute, frozen, uses)
         except BaseException as exc:
             error = exc
-        self.kfac._agree_load(error, "KFACPreconditioner load_state_dict")
+        what = "KFACPreconditioner load_state_dict"
+        try:
+            self.kfac._agree_load(error, what)
+        except BaseException:
+            undo()
+            raise
         assert prepared is not None
-        commit_load(self.kfac, prepared)
-        for name, value in hyper.items():
-            setattr(self, "_" + name, value)
-        self._f_steps = {}
-        self._frozen_damping = frozen
+
+        def after() -> None:
+            for name, value in hyper.items():
+                setattr(self, "_" + name, value)
+            self._f_steps = {}
+            self._frozen_damping = frozen
+
+        commit_load(self.kfac, prepared, what, after, undo)
         if layers is None and compute_inverses:
             warnings.warn(
                 "Layer factors are not included in the state_dict, so the decompositions "

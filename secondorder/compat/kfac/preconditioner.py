@@ -39,7 +39,15 @@ remain, on purpose:
 * ``skip_layers`` that leaves no layer to precondition is refused (KAISA builds a
   preconditioner that does nothing);
 * a new ``factor_update_steps`` (a scheduler's) takes effect one step later than in
-  KAISA, whose hooks read it at the next forward.
+  KAISA, whose hooks read it at the next forward;
+* a forward in training mode under ``torch.no_grad()`` (a metric) leaves the factors
+  alone, as every forward that is not backpropagated does; KAISA's forward hook folds
+  its input into A, and applies ``factor_decay`` once more;
+* with gradient accumulation, micro-batches of different sizes weigh by their samples
+  (the statistics are summed, then divided by the samples); KAISA averages the
+  micro-batches' factors, each weighing the same (equal micro-batches agree);
+* ``kl_clip=None`` (no clipping) is accepted, and a layer without a gradient keeps it
+  with a warning; KAISA refuses the first and fails on the second.
 
 For new code, use :class:`secondorder.kfac.KFAC`: its per-sample factors do not change
 with the batch size or the number of ranks.

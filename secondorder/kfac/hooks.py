@@ -60,7 +60,7 @@ class StatsCapture:
         """Register the model's pre-hook and every layer's forward hook."""
         self.handles = [model.register_forward_pre_hook(self._new_pass)]
         self.handles += [
-            layer.module.register_forward_hook(self._forward_hook(layer))
+            layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
             for layer in layers.values()
         ]
 
@@ -102,7 +102,9 @@ class StatsCapture:
         return call
 
     def _forward_hook(self, layer: KFACLayer) -> Callable[..., None]:
-        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        def hook(
+            module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
             # evaluation (eval mode or no_grad) must not leak into the factors
             if not self.capturing or not module.training or not torch.is_grad_enabled():
                 return
@@ -110,12 +112,17 @@ class StatsCapture:
             # that must not outlive the transform: such a call is not a training step
             if in_functorch_transform():
                 return
+            # Linear, Conv and Embedding name their input ``input``: lin(input=x) passes
+            # it as a keyword, which a forward hook sees only with_kwargs
+            given = inputs[0] if inputs else kwargs.get("input")
+            if not isinstance(given, Tensor):
+                return  # not a call K-FAC can read (check_calls names it at the step)
             layer.forward_calls += 1
             if not (isinstance(output, Tensor) and output.requires_grad):
                 return
             # The input is kept (autograd keeps it too, for the weight's gradient) and
             # enters A only with the output's gradient.
-            x = inputs[0].detach()
+            x = given.detach()
             call, generation = self._pass_of(layer), self.generation
             # A tensor hook on the output, not a module backward hook: it survives an
             # in-place activation applied to the output afterwards (it receives the

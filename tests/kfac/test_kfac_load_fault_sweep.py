@@ -1,8 +1,9 @@
-"""A Ctrl-C at every torch call of one rank's checkpoint load: every rank refuses it.
+"""A Ctrl-C at any point of one rank's checkpoint load: every rank refuses it.
 
-On 2 real gloo ranks (a 10 s collective timeout), each load is tried once per torch
-call rank 0 makes in it (:class:`~tests.kfac.faults.Sweep`), with a
-``KeyboardInterrupt`` raised at that call on rank 0 only.  Rank 0 must raise the
+On 2 real gloo ranks (a 30 s collective timeout), each load is tried once per torch
+call rank 0 makes in it (:class:`~tests.kfac.faults.Sweep`) and once per line of its
+assignments (:class:`~tests.kfac.faults.LineSweep`), with a ``KeyboardInterrupt``
+raised there on rank 0 only.  Rank 0 must raise the
 interrupt, rank 1 :class:`~secondorder.distributed.RankFailedError`, and both ranks'
 state must be bitwise as before.  A clean load then runs and must equal the same load
 into an object that never failed.  :meth:`KFAC.load_state_dict` (recomputing the
@@ -140,7 +141,7 @@ def job(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, Any]:
-    out = run_ranks(job, 2, timeout_s=10, deadline_s=600)
+    out = run_ranks(job, 2, timeout_s=30, deadline_s=600)
     return {r: res.unwrap() for r, res in out.items()}
 
 

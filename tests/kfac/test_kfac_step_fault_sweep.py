@@ -1,9 +1,11 @@
-"""A Ctrl-C at *every* torch call of one rank's K-FAC step: every rank refuses the step.
+"""A Ctrl-C at any point of one rank's K-FAC step: every rank refuses the step.
 
-On 2 real gloo ranks (a 10 s collective timeout), a first pass counts the torch calls
-rank 0 makes in one step; then the step is tried once per call, with a
-``KeyboardInterrupt`` raised at that call on rank 0 only (PyTorch's own dispatch hook,
-:class:`Sweep`).  After each try, rank 0 must have raised the interrupt and rank 1
+On 2 real gloo ranks (a 30 s collective timeout), a first pass counts the torch calls
+rank 0 makes in one step (:class:`~tests.kfac.faults.Sweep`, PyTorch's own dispatch
+hook), and the lines of its commit (:class:`~tests.kfac.faults.LineSweep`: the
+writes call few torch functions); then the step is tried once per call (or line),
+with a ``KeyboardInterrupt`` raised there on rank 0 only.  After each try, rank 0
+must have raised the interrupt and rank 1
 :class:`~secondorder.distributed.RankFailedError` (not a collective timeout), and both
 ranks' K-FAC, parameters and ``.grad`` must be bitwise as before the try.  Finally the
 step runs without a fault and must equal the same step of a K-FAC that never failed
@@ -116,7 +118,7 @@ MODES: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, Any]:
-    out = run_ranks(job, 2, timeout_s=10, deadline_s=600)
+    out = run_ranks(job, 2, timeout_s=30, deadline_s=600)
     return {r: res.unwrap() for r, res in out.items()}
 
 

@@ -52,7 +52,8 @@ class StatsCapture:
         #: steps taken: a gradient for a forward from before the last step is ignored.
         self.generation = 0
         #: a checkpoint was loaded and the model not called since: the next step has
-        #: no statistics to fold in (those gathered before the load were dropped).
+        #: no statistics to check or fold in (those gathered before the load were
+        #: dropped; their zeros leave the loaded factors as they are).
         self.loaded = False
         self.handles: list[RemovableHandle] = []
 

@@ -318,7 +318,7 @@ class KFAC:
         f_steps = cfg.at("factor_update_steps", step)
         i_steps = cfg.at("inv_update_steps", step)
         next_f_steps = cfg.at("factor_update_steps", step + 1)
-        capture = step % f_steps == 0 and not self._capture.loaded
+        capture = step % f_steps == 0
         plan = StepPlan(
             step=step,
             f_steps=f_steps,
@@ -329,7 +329,7 @@ class KFAC:
             kl_clip=cfg.at("kl_clip", step),
             lr=cfg.at("lr", step),
             invert=step % i_steps == 0,
-            present=self._check_hooks(capture),
+            present=self._check_hooks(capture and not self._capture.loaded),
             layers=list(self.layers),
         )
         if capture:

@@ -44,7 +44,6 @@ SETTING_NAMES = (
     "factor_update_steps",
     "inv_update_steps",
     "next factor_update_steps",
-    "factors updated",
 )
 #: A layer's statistics since the last factor update (reset by the commit).
 STATS_ATTRS = (
@@ -95,7 +94,6 @@ class StepPlan:
             self.f_steps,
             self.i_steps,
             self.next_f_steps,
-            self.stats is not None,
         )
         out = {name: float(v) for name, v in zip(SETTING_NAMES, values, strict=True)}
         # ranks must precondition the same layers, or their broadcasts would not pair up

@@ -43,6 +43,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/fitting/test_fun_changes.py",
         "tests/fitting/test_batch_arguments.py",
         "tests/training/test_fit_checks.py",
+        "tests/training/test_validation_first.py",
         "tests/distributed/test_distributed_faults.py",
         "tests/distributed/test_rank_agreement.py",
         "tests/distributed/test_settings_agree.py",
@@ -56,6 +57,10 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/kfac/test_kfac_rank_faults.py",
         "tests/kfac/test_kfac_rank_refusals.py",
         "tests/kfac/test_kfac_optimizer_step.py",
+        "tests/kfac/test_kfac_step_fault_sweep.py",
+        "tests/kfac/test_kfac_load_fault_sweep.py",
+        "tests/kfac/test_kfac_load_drops_pending.py",
+        "tests/kfac/test_kfac_compat_checkpoints.py",
     ),
     "Shampoo and SOAP": (
         "tests/shampoo/test_shampoo_faults.py",

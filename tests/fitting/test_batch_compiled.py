@@ -27,12 +27,18 @@ def _data(count: int, seed: int):
     return t, y, p0
 
 
+def _eager(monkeypatch):
+    """The slots driver with the eager step and covariance pass (no compile, quick)."""
+    monkeypatch.setattr(compiled, "compiled_step", lambda: engine.step)
+    monkeypatch.setattr(compiled, "compiled_report", lambda: compiled.solution_report)
+
+
 KEYS = ("cost", "nfev", "njev", "nit", "status", "fun")
 
 
 def test_slots_refilled_as_fits_finish_give_each_fit_its_own_answer(monkeypatch):
     """The slots driver with the eager step: the same numbers as the compaction driver."""
-    monkeypatch.setattr(compiled, "compiled_step", lambda: engine.step)
+    _eager(monkeypatch)
     t, y, p0 = _data(37, seed=1)
     y[6, 2] = math.nan
     lb = torch.tensor([0.0, 0.0, -1.0], dtype=F64)
@@ -62,7 +68,7 @@ def test_slots_refilled_as_fits_finish_give_each_fit_its_own_answer(monkeypatch)
 
 
 def test_slots_driver_for_least_squares_batch_with_per_fit_args(monkeypatch):
-    monkeypatch.setattr(compiled, "compiled_step", lambda: engine.step)
+    _eager(monkeypatch)
     t, y, p0 = _data(11, seed=2)
 
     def fun(q, rows):
@@ -75,7 +81,7 @@ def test_slots_driver_for_least_squares_batch_with_per_fit_args(monkeypatch):
 
 
 def test_an_empty_batch_with_compile(monkeypatch):
-    monkeypatch.setattr(compiled, "compiled_step", lambda: engine.step)
+    _eager(monkeypatch)
     t = torch.linspace(0, 1, 4, dtype=F64)
     popt, pcov, info = so.curve_fit_batch(
         decay, t, torch.zeros(0, 4, dtype=F64), p0=[1.0, 1.0, 0.0], compile=True

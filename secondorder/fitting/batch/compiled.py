@@ -15,22 +15,25 @@ runs in or on its neighbours.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .engine import waiting
+from .covariance import fast_inverse
+from .engine import BatchState, waiting
 from .problem import BatchProblem
 from .rule import BatchTrustRegion
 
-__all__ = ["CPU_SLOTS", "compiled_step", "run_slots"]
+__all__ = ["CPU_SLOTS", "compiled_report", "compiled_step", "run_slots", "solution_report"]
 
 #: Slots of a compiled run on a CPU when ``chunk_size`` is not given: the working set
 #: of an attempt then stays in the caches, and few slots idle while the last fits run.
 CPU_SLOTS = 4096
 
 _COMPILED_STEP: Callable[..., None] | None = None
+_COMPILED_REPORT: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] | None = None
 
 
 def compiled_step() -> Callable[..., None]:
@@ -47,6 +50,28 @@ def compiled_step() -> Callable[..., None]:
 
         _COMPILED_STEP = torch.compile(engine.step, dynamic=False)
     return _COMPILED_STEP
+
+
+Report = tuple[Tensor, tuple[Tensor, ...]]
+
+
+def solution_report(problem: BatchProblem, y: Tensor, f: Tensor) -> Report:
+    """The Jacobian at the solutions ``(B, m, n)`` and :func:`~.covariance.fast_inverse` of it."""
+    J = problem.report_jacobian(y, f)
+    return J, fast_inverse(J, eps=torch.finfo(y.dtype).eps)
+
+
+def compiled_report() -> Callable[..., Report]:
+    """The covariance's fast path through ``torch.compile``, made once per process.
+
+    The Jacobian at each solution, its float64 Gram, the unrolled inverse and the
+    rank bound, fused as the step is; the fits it does not settle (and the scaling by
+    ``s²``) are finished eagerly (:func:`~.covariance.finish_covariance`).
+    """
+    global _COMPILED_REPORT
+    if _COMPILED_REPORT is None:
+        _COMPILED_REPORT = torch.compile(solution_report, dynamic=False)
+    return _COMPILED_REPORT
 
 
 def run_slots(
@@ -75,6 +100,7 @@ def run_slots(
     # The slots' own copy of the per-fit data (contiguous, written as fits move in).
     work = problem.take(first)
     state = waiting(y0[:width], problem.m, damping)
+    work, state = _parameter_major(work), _parameter_major_state(state)
     held = np.arange(width)  # the fit each slot holds; -1: none
     steps = np.zeros(width, dtype=np.int64)  # attempts since the slot's fit started
     queue = width
@@ -106,3 +132,28 @@ def run_slots(
                 queue += count
         if finished == total:
             return
+
+
+def _columns(t: Tensor) -> Tensor:
+    """``t`` with the layout :func:`~.small_linalg.parameter_major` gives (2-D ``(B, k)``)."""
+    return t.mT.contiguous().mT if t.ndim == 2 else t
+
+
+def _parameter_major(work: BatchProblem) -> BatchProblem:
+    """The slots' per-fit data stored as a compiled step writes its state (in place later)."""
+    return replace(
+        work,
+        rows=tuple(_columns(r) for r in work.rows),
+        counts=None if work.counts is None else _columns(work.counts),
+        lb=_columns(work.lb),
+        ub=_columns(work.ub),
+        scale=None if work.scale is None else _columns(work.scale),
+    )
+
+
+def _parameter_major_state(state: BatchState) -> BatchState:
+    """The slots' state in the layout the compiled step returns, so it compiles once."""
+    for name in ("y", "f", "g", "col", "dcol", "sqrt_d", "last_try"):
+        setattr(state, name, _columns(getattr(state, name)))
+    state.rule.scale = _columns(state.rule.scale)
+    return state

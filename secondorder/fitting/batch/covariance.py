@@ -19,9 +19,9 @@ import math
 import torch
 from torch import Tensor
 
-from .small_linalg import UNROLLED_MAX_N, inverse_spd, norm2
+from .small_linalg import UNROLLED_MAX_N, gram, inverse_spd, norm2
 
-__all__ = ["batch_covariance"]
+__all__ = ["batch_covariance", "fast_inverse", "finish_covariance"]
 
 _EPS64 = torch.finfo(torch.float64).eps
 
@@ -32,22 +32,33 @@ def batch_covariance(J: Tensor, cost2: Tensor | None, *, eps: float) -> Tensor:
     ``cost2``: ``2·cost`` per fit to estimate ``s²`` from (``None``: ``s² = 1``,
     ``absolute_sigma``); ``eps``: the precision J was computed in (the rank rule's).
     """
+    return finish_covariance(J, fast_inverse(J, eps=eps), cost2, eps=eps)
+
+
+def fast_inverse(J: Tensor, *, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The fast path of :func:`batch_covariance`, with no host read (it compiles).
+
+    Returns ``(inv, scale, fast, finite)``: the inverse of the column-scaled Gram
+    ``(B, n, n)`` float64, the column norms ``(B, n)``, whether the inverse is the
+    answer (rank provably full, accurate in float64) and whether ``J`` is finite.
+    """
     b, m, n = J.shape
     # 0·t sums to 0 exactly when every entry is finite (no overflow, unlike Σt).
     finite = (J * 0.0).sum((1, 2)) == 0.0
-    J64 = J.to(torch.float64)
-    C = J64.mT @ J64
-    norms = C.diagonal(dim1=-2, dim2=-1).sqrt()
+    # The Gram, parameter-major (n, n, B): each entry a contiguous row over the fits.
+    C = gram(torch.movedim(J.to(torch.float64), -1, 0))
+    norms = torch.diagonal(C, dim1=0, dim2=1).sqrt()
     scale = torch.where(norms > 0, norms, 1.0)
+    sc = scale.T
     # The Gram of J with its columns scaled to norm 1 (a NaN fit stays NaN: slow path).
-    Cs = C / scale.unsqueeze(-1) / scale.unsqueeze(-2)
+    Cs = C / sc.unsqueeze(1) / sc.unsqueeze(0)
     if n <= UNROLLED_MAX_N:
-        # Parameter-major, entry by entry: a pivot ≤ 0 leaves NaN or inf in its fit.
-        inv = inverse_spd(torch.movedim(Cs, 0, -1).contiguous())
-        inv = torch.movedim(inv, -1, 0)
+        # Entry by entry: a pivot ≤ 0 leaves NaN or inf in its fit.
+        inv = torch.movedim(inverse_spd(Cs.contiguous()), -1, 0)
         factored = torch.ones_like(finite)
     else:
-        L, info = torch.linalg.cholesky_ex(Cs)
+        Cf = torch.movedim(Cs, -1, 0)
+        L, info = torch.linalg.cholesky_ex(Cf)
         # A failed factorisation takes the slow path; I stands in for its L meanwhile.
         eye = torch.eye(n, dtype=torch.float64, device=J.device)
         inv = torch.cholesky_inverse(torch.where((info == 0)[:, None, None], L, eye))
@@ -60,11 +71,21 @@ def batch_covariance(J: Tensor, cost2: Tensor | None, *, eps: float) -> Tensor:
         & (bound * (eps * max(m, n)) ** 2 < 0.5)
         & (norms > 0).all(-1)
     )
+    return inv, scale, fast, finite
+
+
+def finish_covariance(
+    J: Tensor, fast_part: tuple[Tensor, ...], cost2: Tensor | None, *, eps: float
+) -> Tensor:
+    """:func:`batch_covariance` from :func:`fast_inverse`'s output: the slow fits, ``s²``."""
+    inv, scale, fast, finite = fast_part
+    b, m, n = J.shape
     undetermined = torch.zeros(b, n, dtype=torch.bool, device=J.device)
     slow = torch.nonzero(~fast).flatten()  # one host read per call
     if slow.numel():
         # A fit that failed (NaN data) has no covariance; zeros keep LAPACK away from NaN.
-        Js = torch.where(finite[slow, None, None], J64[slow] / scale[slow, None, :], 0.0)
+        Js = J[slow].to(torch.float64) / scale[slow, None, :]
+        Js = torch.where(finite[slow, None, None], Js, 0.0)
         cov_s, und_s = _svd_covariance(Js, eps)
         inv = inv.index_put((slow,), cov_s)
         undetermined = undetermined.index_put((slow,), und_s)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .covariance import batch_covariance
+from .covariance import batch_covariance, finish_covariance
 from .engine import BatchState, start, step
 from .problem import BatchProblem
 from .rule import BatchTrustRegion
@@ -152,9 +152,7 @@ def run(problem: BatchProblem, y0: Tensor, rule: BatchTrustRegion, opts: RunOpti
             progress=opts.progress,
         )
         if opts.covariance:
-            for lo in range(0, total, opts.chunk):
-                index = torch.arange(lo, min(total, lo + opts.chunk), device=y0.device)
-                _chunk_covariance(problem.take(index), index, opts, out)
+            _slots_covariance(problem, opts, out)
         return out
     finished = 0
     for lo in range(0, total, opts.chunk):
@@ -229,10 +227,10 @@ def _write(
     out.x[positions] = problem.transform.to_x(state.y)
     out.f[positions] = state.f
     out.cost2[positions] = state.cost2
-    out.status[positions] = state.status
-    out.nfev[positions] = state.nfev
-    out.njev[positions] = state.njev
-    out.nit[positions] = state.nit
+    out.status[positions] = state.status.to(out.status.dtype)
+    out.nfev[positions] = state.nfev.to(out.nfev.dtype)
+    out.njev[positions] = state.njev.to(out.njev.dtype)
+    out.nit[positions] = state.nit.to(out.nit.dtype)
 
 
 def _chunk_covariance(
@@ -245,3 +243,26 @@ def _chunk_covariance(
     scale2 = None if opts.absolute_sigma else out.cost2[positions]
     cov = batch_covariance(J, scale2, eps=torch.finfo(y.dtype).eps)
     out.pcov[positions] = cov.to(out.pcov.dtype)
+
+
+def _slots_covariance(problem: BatchProblem, opts: RunOptions, out: Outputs) -> None:
+    """:func:`_chunk_covariance` for a compiled run: its fast path compiled, in chunks.
+
+    Every chunk has the slots' width, the last one padded with copies of its last fit,
+    so the compiled part sees one shape.
+    """
+    from .compiled import compiled_report
+
+    assert out.pcov is not None
+    total = out.y.shape[0]
+    width = max(1, min(opts.chunk, total))
+    report = compiled_report()
+    eps = torch.finfo(out.y.dtype).eps
+    for lo in range(0, total, width):
+        count = min(width, total - lo)
+        index = torch.arange(lo, lo + width, device=out.y.device).clamp(max=total - 1)
+        J, fast_part = report(problem.take(index), out.y[index], out.f[index])
+        part = tuple(t[:count] for t in fast_part)
+        scale2 = None if opts.absolute_sigma else out.cost2[lo : lo + count]
+        cov = finish_covariance(J[:count], part, scale2, eps=eps)
+        out.pcov[lo : lo + count] = cov.to(out.pcov.dtype)

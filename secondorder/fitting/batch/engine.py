@@ -20,11 +20,15 @@ from torch import Tensor
 from .problem import BatchProblem, Linearization
 from .rule import BatchTrustRegion, RuleState, StepMeasures
 from .small_linalg import norm2, quadratic, solve_columns
+from .small_linalg import parameter_major as pm
 
 __all__ = ["BatchState", "start", "step", "waiting"]
 
 #: Status of a fit whose residuals, cost or Jacobian stopped being finite.
 NOT_FINITE = -1
+#: The dtype of the per-fit counts and status while fits run (int64 in the results):
+#: half the width of int64 in a compiled step's vector lanes.
+COUNT = torch.int32
 
 
 @dataclass
@@ -96,20 +100,9 @@ def _set(state: BatchState, lin: Linearization, where: Tensor | None = None) -> 
         return
     w = where.unsqueeze(-1)
     state.A = torch.where(where, lin.A, state.A)
-    state.g = torch.where(w, lin.g, state.g)
-    state.col = torch.where(w, lin.col, state.col)
-    state.dcol = torch.where(w, lin.dcol, state.dcol)
-
-
-def _separate() -> None:
-    """Under ``torch.compile``, end one graph and start another here (eagerly, nothing).
-
-    The search for λ reads only contiguous per-fit rows, so its loops vectorise over
-    the fits when its inputs are a graph's inputs; fused with the iteration's start,
-    the compiler recomputes the fit-major ``(B, n)`` reductions inside every round.
-    """
-    if torch.compiler.is_compiling():
-        torch._dynamo.graph_break()
+    state.g = pm(torch.where(w, lin.g, state.g))
+    state.col = pm(torch.where(w, lin.col, state.col))
+    state.dcol = pm(torch.where(w, lin.dcol, state.dcol))
 
 
 def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
@@ -118,7 +111,7 @@ def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
     cost2 = problem.objective.cost2(f, problem.counts)
     lin = problem.linearize(y0, f, cost2)
     b = y0.shape[0]
-    ints = torch.zeros(b, dtype=torch.int64, device=y0.device)
+    ints = torch.zeros(b, dtype=COUNT, device=y0.device)
     batch = torch.zeros_like(cost2)
     state = BatchState(
         y=y0,
@@ -134,7 +127,7 @@ def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
         rule=RuleState.initial(damping, y0),
         fresh=torch.ones(b, dtype=torch.bool, device=y0.device),
         done=~lin.finite,
-        status=torch.where(lin.finite, 0, NOT_FINITE),
+        status=torch.where(lin.finite, 0, NOT_FINITE).to(COUNT),
         nfev=ints + 1,
         nit=ints,
         njev=ints + 1,
@@ -158,7 +151,7 @@ def waiting(y0: Tensor, m: int, damping: float) -> BatchState:
     which it makes for every fit anyway) instead of attempting a step.
     """
     b, n = y0.shape
-    ints = torch.zeros(b, dtype=torch.int64, device=y0.device)
+    ints = torch.zeros(b, dtype=COUNT, device=y0.device)
     zeros = torch.zeros(b, dtype=y0.dtype, device=y0.device)
     flags = torch.zeros(b, dtype=torch.bool, device=y0.device)
     return BatchState(
@@ -219,7 +212,7 @@ def step(
     size = torch.where(state.rule.started.unsqueeze(-1), state.y, size)
     state.xs_norm = torch.where(fresh, norm2(sqrt_d * size, dim=-1), state.xs_norm)
     state.gs_norm = torch.where(fresh, norm2(state.g / sqrt_d, dim=-1), state.gs_norm)
-    state.sqrt_d = sqrt_d
+    state.sqrt_d = pm(sqrt_d)
     state.attempts = torch.where(fresh, 0, state.attempts)
     state.nfev_start = torch.where(fresh, state.nfev, state.nfev_start)
     state.left_start = torch.where(fresh, left, state.left_start)
@@ -234,9 +227,7 @@ def step(
         z = solve_columns(As, lam, minus_gs)
         return z, norm2(z, dim=0)
 
-    _separate()
     _, z = rule.choose(state.rule, solve, state.xs_norm, state.gs_norm, active)
-    _separate()
     delta = z.T / sqrt_d
     solved = torch.isfinite(delta).all(-1)
     state.attempts = state.attempts + active.to(state.attempts.dtype)
@@ -248,7 +239,7 @@ def step(
     # least_squares evaluates a point once: a trial equal to the last one tried (the
     # same Gauss-Newton step after a rejection) or to the current point costs no call.
     repeat = (y_try == state.last_try).all(-1) | (delta == 0).all(-1)
-    state.last_try = torch.where(go.unsqueeze(-1), y_try, state.last_try)
+    state.last_try = pm(torch.where(go.unsqueeze(-1), y_try, state.last_try))
     state.nfev = state.nfev + (go & ~repeat).to(state.nfev.dtype)
     evaluated = go & torch.isfinite(c_try)
     slope = (state.g * delta).sum(-1)
@@ -267,6 +258,7 @@ def step(
     if xtol_in_x > 0:
         xtol_off = (transform.lo | transform.hi).any(-1)
     accepted, conv = rule.judge(state.rule, measures, evaluated, active, xtol_off=xtol_off)
+    conv = conv.to(COUNT)
     # -- how the attempt ends the iteration, if it does.
     rejected = active & ~accepted
     stop_conv = rejected & (conv > 0)
@@ -276,13 +268,13 @@ def step(
     exhausted = going & ~capped & (state.attempts >= state.left_start)
     ended = capped | exhausted
     # λ at its maximum with evaluations left: steps are as short as arithmetic allows.
-    end_status = torch.where(state.nfev - state.nfev_start < state.left_start, 3, 0)
+    end_status = torch.where(state.nfev - state.nfev_start < state.left_start, 3, 0).to(COUNT)
     # -- an accepted step moves, and is linearised; so is a new fit, at its start.
     y_old = state.y
     moved = accepted | new
     acc = moved.unsqueeze(-1)
-    state.y = torch.where(acc, y_try, state.y)
-    state.f = torch.where(acc, f_try, state.f)
+    state.y = pm(torch.where(acc, y_try, state.y))
+    state.f = pm(torch.where(acc, f_try, state.f))
     state.cost2 = torch.where(moved, c_try, state.cost2)
     if xtol_off is not None:
         unit = 1.0 if transform.scale is None else transform.scale
@@ -295,12 +287,12 @@ def step(
     _set(state, lin, moved)
     bad = accepted & ~lin.finite
     status_acc = torch.where(bad, NOT_FINITE, conv)
-    state.status = torch.where(
+    status = torch.where(
         stop_conv,
         conv,
         torch.where(ended, end_status, torch.where(accepted, status_acc, state.status)),
     )
-    state.status = torch.where(new & ~lin.finite, NOT_FINITE, state.status)
+    state.status = torch.where(new & ~lin.finite, NOT_FINITE, status).to(COUNT)
     state.done = (
         state.done | stop_conv | ended | (accepted & (status_acc != 0)) | (new & ~lin.finite)
     )

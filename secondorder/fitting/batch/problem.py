@@ -220,11 +220,16 @@ class BatchProblem:
                 shape = tuple(given.shape) if isinstance(given, Tensor) else type(given).__name__
                 raise ValueError(f"jac must return a tensor of shape {want}, got {shape}")
             return given.detach().to(x.dtype).permute(2, 0, 1)
-        if self.columns is not None:
-            J = torch.stack([self._column_derivative(x, j) for j in range(self.n)])
-        elif torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if self.columns is not None or compiling:
             # torch.compile traces jvp but not vmap of jvp over dynamic batch sizes.
-            J = torch.stack([self._derivative(x, j) for j in range(self.n)])
+            derivative = self._column_derivative if self.columns is not None else self._derivative
+            cols = [derivative(x, j) for j in range(self.n)]
+            if compiling:
+                # Stored point-major, (n, m, B): the sums over a fit's points that follow
+                # (the normal matrix, the gradient) then keep the fits in the vector lanes.
+                return torch.stack([c.T for c in cols]).transpose(1, 2).detach()
+            J = torch.stack(cols)
         else:
             basis = torch.eye(self.n, dtype=x.dtype, device=x.device).unsqueeze(1)
             basis = basis.expand(self.n, x.shape[0], self.n)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from .small_linalg import parameter_major
+
 __all__ = ["BatchTrustRegion", "RuleState", "StepMeasures"]
 
 #: ``z(λ) -> (z, ‖z‖)``: the scaled step ``D^½δ`` at λ and its norm (NaN where it failed).
@@ -147,7 +149,7 @@ class BatchTrustRegion:
             return torch.ones_like(col_sq)
         first = fresh & ~state.scaled
         grown = torch.where(first.unsqueeze(-1), col_sq, torch.maximum(state.scale, col_sq))
-        state.scale = torch.where(fresh.unsqueeze(-1), grown, state.scale)
+        state.scale = parameter_major(torch.where(fresh.unsqueeze(-1), grown, state.scale))
         state.scaled = state.scaled | fresh
         d = state.scale
         tiny = torch.finfo(d.dtype).tiny

@@ -26,6 +26,7 @@ __all__ = [
     "gram",
     "inverse_spd",
     "norm2",
+    "parameter_major",
     "quadratic",
     "solve_columns",
     "solve_shifted",
@@ -40,12 +41,32 @@ def gram(J: Tensor, weight: Tensor | None = None) -> Tensor:
     left = J if weight is None else J * weight
     if torch.compiler.is_compiling():
         # Sums the compiler fuses with the Jacobian's own loop (a batched matmul of
-        # n×m by m×n matrices is one library call per fit).
+        # n×m by m×n matrices is one library call per fit), over point-major copies
+        # (n, m, B): each sum then runs down the points with the fits in the vector
+        # lanes, instead of across a fit's few points.
         n = J.shape[0]
-        rows = [torch.stack([(left[i] * J[j]).sum(-1) for j in range(n)]) for i in range(n)]
+        right = J.transpose(1, 2).contiguous()
+        left = right if weight is None else left.transpose(1, 2).contiguous()
+        sums: dict[tuple[int, int], Tensor] = {}
+        for i in range(n):
+            for j in range(i, n):
+                sums[i, j] = (left[i] * right[j]).sum(0)
+        rows = [torch.stack([sums[min(i, j), max(i, j)] for j in range(n)]) for i in range(n)]
         return torch.stack(rows)
     # Contiguous: each A[i, j] is then a contiguous row over the batch.
     return torch.einsum("ibm,jbm->ijb", left, J).contiguous()
+
+
+def parameter_major(t: Tensor) -> Tensor:
+    """``t`` ``(B, k)``, in a compiled step stored column by column (``t.mT`` contiguous).
+
+    Under ``torch.compile`` this fixes the layout of a step's output, so its loops
+    over the fits read each of a fit's few numbers from a contiguous row (the fits in
+    the vector lanes) instead of with a stride; eagerly it is ``t`` itself.
+    """
+    if torch.compiler.is_compiling():
+        return t.mT.contiguous().mT
+    return t
 
 
 def norm2(v: Tensor, dim: int) -> Tensor:

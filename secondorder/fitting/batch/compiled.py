@@ -4,9 +4,11 @@ The eager driver (:mod:`.driver`) shrinks its working set as fits finish.  A com
 step is specialised to its batch size (forward mode's broadcasting rules read the
 sizes), so here the working set keeps one size: ``width`` slots, each holding one fit.
 Every ``check_every`` attempts the host reads the ``done`` mask (the one read), writes
-the finished fits out and puts the next fits of the queue in their slots at their
-starts (:func:`~.engine.waiting`); the next compiled step evaluates and linearises
-them there, with the model call and Jacobian it makes for every slot anyway.  A slot
+the finished fits out and puts the next fits of the queue in their slots: their data,
+their starts and the ``new`` mark, nothing else; the next compiled step evaluates and
+linearises them there, with the model call and Jacobian it makes for every slot
+anyway, and gives them the rest of :func:`~.engine.waiting`'s state.  The state is
+kept column by column (:func:`~.small_linalg.parameter_major`).  A slot
 with no fit left to take stays done, and its values are never written again.  Every
 operation of the step is per fit, so a fit's numbers do not depend on the slot it
 runs in or on its neighbours.
@@ -85,13 +87,14 @@ def run_slots(
     check_every: int,
     xtol_in_x: float,
     max_steps: int,
-    write: Callable[[object, BatchProblem, Tensor], None],
+    write: Callable[[BatchState, BatchProblem, Tensor, Tensor], None],
     progress: Callable[[int, int], object] | None,
 ) -> None:
     """Fit every fit of ``problem`` from ``y0`` in ``width`` slots; ``write`` stores results.
 
-    ``write(state, problem, positions)`` receives the finished fits' state, their
-    problem and their positions in the whole batch.
+    ``write(state, work, slots, positions)`` stores the results of the fits in
+    ``slots`` of the slots' ``state`` and per-fit data ``work`` at ``positions`` of the
+    whole batch.
     """
     total = y0.shape[0]
     device = y0.device
@@ -108,15 +111,15 @@ def run_slots(
     advance = compiled_step()
     while True:
         for _ in range(check_every):
-            advance(state, work, rule, budget=budget, xtol_in_x=xtol_in_x)
+            advance(state, work, rule, budget=budget, xtol_in_x=xtol_in_x, restart=damping)
         steps += check_every
-        done = np.asarray(state.done.tolist(), dtype=bool)  # the one host read
+        done = state.done.cpu().numpy().copy()  # the one host read
         done |= steps >= max_steps
         leaving = np.flatnonzero(done & (held >= 0))
         if leaving.size:
             slots = torch.from_numpy(leaving).to(device)
             positions = torch.from_numpy(held[leaving]).to(device)
-            write(state.take(slots), work.take(slots), positions)
+            write(state, work, slots, positions)
             finished += leaving.size
             held[leaving] = -1
             if progress is not None:
@@ -126,7 +129,10 @@ def run_slots(
                 new = torch.arange(queue, queue + count, device=device)
                 target = slots[:count]
                 work.put(target, problem.take(new))
-                state.put(target, waiting(y0[new], problem.m, damping))
+                # The next step evaluates them at y and gives them the rest of their
+                # starting state (the step's ``restart``).
+                state.y[target] = y0[new]
+                state.new[target] = True
                 held[leaving[:count]] = np.arange(queue, queue + count)
                 steps[leaving[:count]] = 0
                 queue += count

@@ -135,8 +135,8 @@ def run(problem: BatchProblem, y0: Tensor, rule: BatchTrustRegion, opts: RunOpti
     if opts.compiled and total:
         from .compiled import run_slots
 
-        def write(state: Any, sub: BatchProblem, positions: Tensor) -> None:
-            _write(state, sub, positions, out)
+        def write(state: BatchState, work: BatchProblem, slots: Tensor, at: Tensor) -> None:
+            _write(state, work, at, out, slots)
 
         run_slots(
             problem,
@@ -221,16 +221,26 @@ def _write(
     problem: BatchProblem,
     positions: Tensor,
     out: Outputs,
+    index: Tensor | None = None,
 ) -> None:
-    """Store the results of the fits in ``state`` at ``positions`` of ``out``."""
-    out.y[positions] = state.y
-    out.x[positions] = problem.transform.to_x(state.y)
-    out.f[positions] = state.f
-    out.cost2[positions] = state.cost2
-    out.status[positions] = state.status.to(out.status.dtype)
-    out.nfev[positions] = state.nfev.to(out.nfev.dtype)
-    out.njev[positions] = state.njev.to(out.njev.dtype)
-    out.nit[positions] = state.nit.to(out.nit.dtype)
+    """Store the results of the fits in ``state`` (those at ``index``) at ``positions``."""
+
+    def pick(t: Tensor) -> Tensor:
+        return t if index is None else t[index]
+
+    y = pick(state.y)
+    out.y[positions] = y
+    if problem.bounded or problem.scale is not None:
+        sub = problem if index is None else problem.take(index)
+        out.x[positions] = sub.transform.to_x(y)
+    else:
+        out.x[positions] = y
+    out.f[positions] = pick(state.f)
+    out.cost2[positions] = pick(state.cost2)
+    out.status[positions] = pick(state.status).to(out.status.dtype)
+    out.nfev[positions] = pick(state.nfev).to(out.nfev.dtype)
+    out.njev[positions] = pick(state.njev).to(out.njev.dtype)
+    out.nit[positions] = pick(state.nit).to(out.nit.dtype)
 
 
 def _chunk_covariance(

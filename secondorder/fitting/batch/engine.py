@@ -187,12 +187,16 @@ def step(
     *,
     budget: int,
     xtol_in_x: float = 0.0,
+    restart: float | None = None,
 ) -> None:
     """One attempt for every unfinished fit; ``state`` is updated in place, no host read.
 
     ``budget``: evaluations allowed per fit (``max_nfev``).  ``xtol_in_x``: with
     bounds, the xtol test on ``x`` itself (trf's), for the fits with a bound; the rule's
-    own xtol test is then off for them, as in least_squares.
+    own xtol test is then off for them, as in least_squares.  ``restart``: the first λ
+    of a fit put in a used slot; given, every ``new`` fit also gets the rest of what
+    :func:`waiting` gives (its counts, the rule's state), so refilling a slot only
+    writes its start ``y`` and ``new``.
     """
     transform = problem.transform
     new = state.new
@@ -292,12 +296,39 @@ def step(
         conv,
         torch.where(ended, end_status, torch.where(accepted, status_acc, state.status)),
     )
-    state.status = torch.where(new & ~lin.finite, NOT_FINITE, status).to(COUNT)
-    state.done = (
-        state.done | stop_conv | ended | (accepted & (status_acc != 0)) | (new & ~lin.finite)
-    )
+    state.status = torch.where(new, torch.where(lin.finite, 0, NOT_FINITE), status).to(COUNT)
+    done = state.done | stop_conv | ended | (accepted & (status_acc != 0))
+    state.done = torch.where(new, ~lin.finite, done)
     counted = (stop_conv | ended | accepted).to(state.nit.dtype)
     state.nit = state.nit + counted
     state.njev = state.njev + accepted.to(state.njev.dtype)
     state.fresh = state.fresh | (accepted & ~state.done)
+    if restart is not None:
+        _restart(state, new, restart)
     state.new = new & False
+
+
+def _restart(state: BatchState, new: Tensor, damping: float) -> None:
+    """What :func:`waiting` gives a fit, besides ``y`` and what the step just set."""
+    w = new.unsqueeze(-1)
+    first = RuleState.initial(damping, state.y)
+    rule = state.rule
+    rule.damping = torch.where(new, first.damping, rule.damping)
+    rule.nu = torch.where(new, first.nu, rule.nu)
+    rule.radius = torch.where(new, first.radius, rule.radius)
+    rule.started = rule.started & ~new
+    rule.chosen_norm = torch.where(new, first.chosen_norm, rule.chosen_norm)
+    rule.scale = pm(torch.where(w, first.scale, rule.scale))
+    rule.scaled = rule.scaled & ~new
+    state.sqrt_d = pm(torch.where(w, 1.0, state.sqrt_d))
+    state.xs_norm = torch.where(new, 0.0, state.xs_norm)
+    state.gs_norm = torch.where(new, 0.0, state.gs_norm)
+    state.fresh = state.fresh | new
+    one, zero = torch.ones_like(state.nfev), torch.zeros_like(state.nfev)
+    state.nfev = torch.where(new, one, state.nfev)
+    state.njev = torch.where(new, one, state.njev)
+    state.nit = torch.where(new, zero, state.nit)
+    state.attempts = torch.where(new, zero, state.attempts)
+    state.nfev_start = torch.where(new, zero, state.nfev_start)
+    state.left_start = torch.where(new, zero, state.left_start)
+    state.last_try = pm(torch.where(w, state.y, state.last_try))

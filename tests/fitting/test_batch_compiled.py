@@ -106,6 +106,8 @@ def test_the_compiled_step_gives_the_eager_answers_and_isolates_a_poisoned_fit()
     fast = so.curve_fit_batch(decay, t, y, p0=p0, compile=True, chunk_size=16)
     # Fused loops may contract a*b+c into one rounding: the same fits to ~1e-10.
     torch.testing.assert_close(fast[0], eager[0], rtol=1e-9, atol=1e-12)
+    # The covariance's compiled pass: the same Jacobian and inverse, summed in another order.
+    torch.testing.assert_close(fast[1], eager[1], rtol=1e-6, atol=0)
     assert torch.equal(fast[2].success, eager[2].success)
     assert (fast[2].nfev == eager[2].nfev).double().mean() >= 0.9
     bad_y = y.clone()

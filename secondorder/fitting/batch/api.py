@@ -140,10 +140,11 @@ def curve_fit_batch(
         progress: ``True`` for a progress bar (tqdm if installed), or a callable
             ``progress(done, total)`` called as fits finish.
         compile: run each attempt through ``torch.compile`` (opt-in): each attempt
-            is then a few fused loops over the fits instead of thousands of tensor
-            operations, after a first call that compiles the step for the model and
-            dtype (torch caches it on disk; how long, and the speed-up, are in
-            ``benchmarks/BATCH_FITS.md``): worth it for many fits.  Fits run in
+            (and the covariance's pass) is then a few fused loops over the fits
+            instead of thousands of tensor operations, after a first call that
+            compiles them for the model and dtype (torch caches them on disk; how
+            long, and the speed-up, are in ``benchmarks/BATCH_FITS.md``): worth it
+            for many fits.  Fits run in
             ``chunk_size`` slots refilled as fits finish (default on a CPU: 4096).
 
     Returns:

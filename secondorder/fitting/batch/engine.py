@@ -42,7 +42,9 @@ class BatchState:
     (``fresh``: an iteration starts at the next step; ``attempts`` and the evaluations
     at and left at its start; ``last_try``, the last point evaluated).  ``new``: fits
     placed at their start ``y`` and not yet evaluated (see :func:`waiting`); the next
-    step evaluates and linearises them there, as :func:`start` does, and nothing else.
+    step evaluates and linearises them there, as :func:`start` does, and attempts
+    nothing (with ``restart``, it also resets the rest of their state).  In a compiled
+    step the ``(B, k)`` fields are stored column by column (``parameter_major``).
     """
 
     y: Tensor

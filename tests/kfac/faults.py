@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -187,3 +188,18 @@ def same(a: Any, b: Any) -> bool:
             and all(same(x, y) for x, y in zip(a, b, strict=True))
         )
     return bool(a == b)
+
+
+def backprop(net: nn.Module, i: int, rank: int, world: int) -> None:
+    """Batch ``i`` (8 float64 samples, 4 → 3): this rank's share, gradients averaged."""
+    g = torch.Generator().manual_seed(i)
+    dt = torch.float64
+    x, y = torch.randn(8, 4, generator=g, dtype=dt), torch.randn(8, 3, generator=g, dtype=dt)
+    b = 8 // world
+    x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
+    net.zero_grad()
+    (0.5 * (net(x) - y).pow(2).sum(1).mean()).backward()
+    for p in net.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad /= world

@@ -28,24 +28,11 @@ from secondorder.compat.kfac import KAISAConventionWarning, KFACPreconditioner
 from secondorder.distributed import RankFailedError
 from secondorder.kfac import KFAC, KFACOptimizer
 from secondorder.testing import run_ranks
-from tests.kfac.faults import LineSweep, Sweep, same, state_of
+from tests.kfac.faults import LineSweep, Sweep, backprop, same, state_of
 
 pytestmark = pytest.mark.distributed
 
 DT = torch.float64
-
-
-def backprop(net: nn.Module, i: int, rank: int, world: int) -> None:
-    g = torch.Generator().manual_seed(i)
-    x, y = torch.randn(8, 4, generator=g, dtype=DT), torch.randn(8, 3, generator=g, dtype=DT)
-    b = 8 // world
-    x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
-    net.zero_grad()
-    (0.5 * (net(x) - y).pow(2).sum(1).mean()).backward()
-    for p in net.parameters():
-        assert p.grad is not None
-        dist.all_reduce(p.grad)
-        p.grad /= world
 
 
 def build(kind: str, net: nn.Module) -> Any:

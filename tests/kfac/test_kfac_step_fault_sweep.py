@@ -32,7 +32,7 @@ from torch import nn
 from secondorder.distributed import RankFailedError
 from secondorder.kfac import KFAC
 from secondorder.testing import run_ranks
-from tests.kfac.faults import LineSweep, Sweep, same, state_of
+from tests.kfac.faults import LineSweep, Sweep, backprop, same, state_of
 
 pytestmark = pytest.mark.distributed
 
@@ -44,19 +44,6 @@ def make(fraction: Any) -> tuple[nn.Sequential, KFAC]:
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
     kfac = KFAC(net, damping=0.1, kl_clip=1e-2, inv_dtype=DT, grad_worker_fraction=fraction)
     return net, kfac
-
-
-def backprop(net: nn.Module, i: int, rank: int, world: int) -> None:
-    g = torch.Generator().manual_seed(i)
-    x, y = torch.randn(8, 4, generator=g, dtype=DT), torch.randn(8, 3, generator=g, dtype=DT)
-    b = 8 // world
-    x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
-    net.zero_grad()
-    (0.5 * (net(x) - y).pow(2).sum(1).mean()).backward()
-    for p in net.parameters():
-        assert p.grad is not None
-        dist.all_reduce(p.grad)
-        p.grad /= world
 
 
 def sweep(rank: int, world: int, fraction: Any, mode: str) -> dict[str, Any]:

@@ -13,11 +13,11 @@ does.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch import Tensor
 
-__all__ = ["batch_size", "batches", "is_single_batch", "split_batch"]
+__all__ = ["batch_size", "batches", "is_one_shot", "is_single_batch", "split_batch"]
 
 
 def _is_inputs(item: Any) -> bool:
@@ -86,6 +86,16 @@ def is_single_batch(data: Any) -> bool:
     )
 
 
+def is_one_shot(data: Any) -> TypeGuard[Iterator[Any]]:
+    """Whether ``data`` is an iterator that serves its batches once (a generator, ``iter(x)``).
+
+    Decided without calling ``iter`` on a reusable iterable: a ``DataLoader``'s ``iter``
+    draws a seed from its generator (or torch's global one), so an extra call would move
+    every later shuffle away from the user's own loop over the same loader.
+    """
+    return isinstance(data, Iterator) and iter(data) is data
+
+
 def batches(data: Any, name: str) -> Callable[[], Iterator[tuple[Any, Any]]]:
     """A function returning a fresh iterator over ``(inputs, targets)`` for each epoch.
 
@@ -109,7 +119,7 @@ def batches(data: Any, name: str) -> Callable[[], Iterator[tuple[Any, Any]]]:
             f"{name} must be an (inputs, targets) tuple of tensors or an iterable of "
             f"(inputs, targets) batches (e.g. a DataLoader), got {type(data).__name__}"
         )
-    if iter(data) is data:
+    if is_one_shot(data):
         items: Iterator[Any] | None = data
 
         def once() -> Iterator[tuple[Any, Any]]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .data import batch_size, batches, is_single_batch
+from .data import batch_size, batches, is_one_shot, is_single_batch
 from .probe import check_validation
 from .protocol import TrainingStep
 
@@ -109,7 +109,7 @@ def validator(
     if metric is not None and not isinstance(metric, str) and not callable(metric):
         raise TypeError(f"metric must be a name in {METRICS} or a callable, got {metric!r}")
     held_out = batches(validation, "validation")
-    if not is_single_batch(validation) and iter(validation) is validation:
+    if not is_single_batch(validation) and is_one_shot(validation):
         raise ValueError(
             "validation is a one-shot iterator; it is evaluated after every epoch, so pass "
             "a tuple, a list or a DataLoader"

@@ -1,7 +1,9 @@
 """Gradient checks of :class:`~secondorder.shampoo.Shampoo`, run before any state changes.
 
 A non-finite gradient, or a finite one that would overflow the factors or the
-grafting state, raises ``FloatingPointError`` naming the parameters.
+grafting state, raises ``FloatingPointError`` naming the parameters.  Both decisions
+rest on a few maxima stacked into one tensor and read on the host at once
+(:func:`check_step`): a step that passes costs one wait for the device, not two.
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ from .distributor import is_sharded, local_tensor
 from .grafting import grafting_rule, update_grafting_out_of_place
 from .groups import block_name
 
-__all__ = ["check_gradients", "check_overflow", "check_received"]
+__all__ = ["check_gradient_layout", "check_received", "check_step"]
+
+#: ``(group index, parameter index, parameter)`` of each parameter with a gradient.
+Grads = list[tuple[int, int, Tensor]]
 
 
-def check_gradients(param_groups: list[dict[str, Any]]) -> None:
-    """Refuse sparse gradients and non-finite ones (NaN or ±Inf), naming the parameters.
+def check_gradient_layout(param_groups: list[dict[str, Any]]) -> Grads:
+    """Refuse sparse gradients and misplaced DTensor ones; the parameters with a gradient.
 
     A DTensor parameter's gradient must be sharded as the parameter is (as
-    ``fully_shard`` leaves it); only this rank's shard is checked.
+    ``fully_shard`` leaves it); only this rank's shard is then checked for finite
+    values, by :func:`check_step`.  Reads nothing from the device.
     """
     grads = [
         (gi, pi, p)
@@ -32,8 +38,6 @@ def check_gradients(param_groups: list[dict[str, Any]]) -> None:
         for pi, p in enumerate(g["params"])
         if p.grad is not None
     ]
-    if not grads:
-        return
     for gi, pi, p in grads:
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError("Shampoo does not support sparse gradients; densify them first")
@@ -44,16 +48,24 @@ def check_gradients(param_groups: list[dict[str, Any]]) -> None:
                 f"{p.placements}: Shampoo steps each rank's shard with the same shard of the "
                 "averaged gradient, as fully_shard gives it; no state was changed."
             )
-    # aminmax propagates NaN and shows ±Inf as an extreme: one reduction per gradient
-    # and one read for all of them, instead of isfinite's elementwise passes.
+    return grads
+
+
+def _gradient_ends(grads: Grads) -> list[Tensor]:
+    """Each (local) gradient's minimum and maximum: NaN propagates, ±Inf is an extreme.
+
+    One reduction per gradient instead of ``isfinite``'s elementwise passes.
+    """
     local = [local_tensor(p.grad) for _, _, p in grads if p.grad is not None]
-    ends = [end for g in local if g.numel() for end in torch.aminmax(g)]
-    if not ends or bool(torch.isfinite(torch.stack(ends)).all()):
-        return
+    return [end for g in local if g.numel() for end in torch.aminmax(g)]
+
+
+def _refuse_non_finite(param_groups: list[dict[str, Any]], grads: Grads) -> None:
+    """Raise naming the parameters whose gradient holds a NaN or an Inf (reads each)."""
     bad = [
         block_name(param_groups, gi, pi, p)
-        for (gi, pi, p), g in zip(grads, local, strict=True)
-        if g.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(g))).all())
+        for gi, pi, p in grads
+        if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())
     ]
     raise FloatingPointError(
         f"non-finite gradient (NaN or Inf) in {', '.join(bad)}; no state was changed. "
@@ -61,20 +73,32 @@ def check_gradients(param_groups: list[dict[str, Any]]) -> None:
     )
 
 
-def _surely_safe(
-    param_groups: list[dict[str, Any]], prepared: list[tuple[Batch, Prepared]]
-) -> list[bool]:
-    """Per batch: whether a bound from maxima alone shows that nothing can overflow.
+def check_step(
+    param_groups: list[dict[str, Any]], grads: Grads, prepared: list[tuple[Batch, Prepared]]
+) -> None:
+    """Refuse non-finite gradients, then finite ones that would overflow: one host read.
 
-    With ``m = max |G|`` over the batch, a factor's new diagonal is at most
-    ``β₂ max diag F + α m² n/d`` (a row of ``G₍ₖ₎`` holds ``n/d`` entries), the
-    eigenvalue-corrected second moment at most ``β₂ max E + α m² n`` and the grafting
-    state at most ``β max v + w m²``.  A few reductions in the state's own dtype and one
-    transfer for all batches, instead of the exact float64 check of every entry, which
-    runs only where this bound does not clear the batch (a NaN or Inf maximum never does).
+    The gradients' extremes (:func:`_gradient_ends`) and the maxima of the overflow
+    bound (:func:`_safety_ends`) are stacked, in the widest of their dtypes (a widening
+    that is exact), and read together.  A non-finite gradient is refused first, as if
+    checked alone; the exact float64 overflow check (:func:`_check_overflow`) runs only
+    for batches the bound does not clear.  Nothing changes before either refusal.
     """
-    # Per batch: min G, max G, each factor's largest diagonal entry, then the largest
-    # entry of each second-moment state; stacked (in the widest dtype) and read once.
+    grad_ends = _gradient_ends(grads)
+    ends = grad_ends + _safety_ends(prepared)
+    values = torch.stack(ends).tolist() if ends else []
+    if not all(math.isfinite(v) for v in values[: len(grad_ends)]):
+        _refuse_non_finite(param_groups, grads)
+    safe = _surely_safe(param_groups, prepared, values[len(grad_ends) :])
+    _check_overflow(param_groups, prepared, safe)
+
+
+def _safety_ends(prepared: list[tuple[Batch, Prepared]]) -> list[Tensor]:
+    """The maxima :func:`_surely_safe` bounds with, batch after batch.
+
+    Per batch: min G, max G, each factor's largest diagonal entry, then the largest
+    entry of each second-moment state (eigenvalue-corrected, grafting).
+    """
     ends: list[Tensor] = []
     for _, prep in prepared:
         S, G = prep.state, prep.G
@@ -84,9 +108,22 @@ def _surely_safe(
         for key in ("corrected_eigenvalues", "grafting_state"):
             if key in S:
                 ends.append(S[key].amax())
-    if not ends:
-        return []
-    values = torch.stack(ends).tolist()
+    return ends
+
+
+def _surely_safe(
+    param_groups: list[dict[str, Any]], prepared: list[tuple[Batch, Prepared]], values: list[float]
+) -> list[bool]:
+    """Per batch: whether a bound from maxima alone shows that nothing can overflow.
+
+    With ``m = max |G|`` over the batch, a factor's new diagonal is at most
+    ``β₂ max diag F + α m² n/d`` (a row of ``G₍ₖ₎`` holds ``n/d`` entries), the
+    eigenvalue-corrected second moment at most ``β₂ max E + α m² n`` and the grafting
+    state at most ``β max v + w m²``.  ``values``: the :func:`_safety_ends`, read by
+    :func:`check_step` with the gradients' extremes; the exact float64 check of every
+    entry runs only where this bound does not clear the batch (a NaN or Inf maximum
+    never does).
+    """
     out, at = [], 0
     for batch, prep in prepared:
         group = param_groups[batch.group_index]
@@ -119,8 +156,8 @@ def _surely_safe(
     return out
 
 
-def check_overflow(
-    param_groups: list[dict[str, Any]], prepared: list[tuple[Batch, Prepared]]
+def _check_overflow(
+    param_groups: list[dict[str, Any]], prepared: list[tuple[Batch, Prepared]], safe: list[bool]
 ) -> None:
     """Refuse, before any state changes, a finite gradient that would overflow the state.
 
@@ -134,8 +171,8 @@ def check_overflow(
     state entry may reach half the dtype's largest value, leaving room for rounding.
     """
     bad_names: list[str] = []
-    for (batch, prep), safe in zip(prepared, _surely_safe(param_groups, prepared), strict=True):
-        if safe:
+    for (batch, prep), cleared in zip(prepared, safe, strict=True):
+        if cleared:
             continue
         group = param_groups[batch.group_index]
         S, G = prep.state, prep.G

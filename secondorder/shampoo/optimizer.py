@@ -28,7 +28,7 @@ from .blocks import (
     new_batch_state,
     prepare_batch,
 )
-from .checks import check_gradients, check_overflow, check_received
+from .checks import check_gradient_layout, check_received, check_step
 from .config import (
     COMMUNICATION_DTYPES,
     EigenConfig,
@@ -377,7 +377,7 @@ class Shampoo(torch.optim.Optimizer):
                     "momentum or the grafting state on or off) after the optimizer state was "
                     "built; these fix the shape of the state. Build a new Shampoo instead."
                 )
-        check_gradients(self.param_groups)
+        grads = check_gradient_layout(self.param_groups)
         steps: dict[int, int] = {}
         for gi, group in enumerate(self.param_groups):
             if any(p.grad is not None for p in group["params"]):
@@ -389,7 +389,7 @@ class Shampoo(torch.optim.Optimizer):
             # the stacked gradients (L2 decay added) and state of the blocks with a gradient
             and (prep := prepare_batch(self.param_groups[batch.group_index], batch)) is not None
         ]
-        check_overflow(self.param_groups, prepared)  # a finite gradient too large
+        check_step(self.param_groups, grads, prepared)  # non-finite, or would overflow
         updates = []
         for batch, prep in prepared:
             group = self.param_groups[batch.group_index]

@@ -155,7 +155,10 @@ def restored_state(
                     f"Invalid saved state {k!r} of parameter id {pid}: must be a tensor "
                     f"with data, got {got}; nothing was loaded."
                 )
-        state[p] = {k: v.detach().clone().to(p.device) for k, v in pstate.items()}
+        # The step count stays on the CPU (as a step keeps it): reading it waits for no device.
+        state[p] = {
+            k: v.detach().clone().to("cpu" if k == "step" else p.device) for k, v in pstate.items()
+        }
     _check_steps(state, param_groups)
     return state
 
@@ -260,4 +263,4 @@ def ensure_int64_steps(param_groups: list[dict[str, Any]], state: Any) -> None:
             step = state[p].get("step")
             if step is None or step.dtype != torch.int64:
                 count = 0 if step is None else int(step.item())
-                state[p]["step"] = torch.tensor(count, dtype=torch.int64)
+                state[p]["step"] = torch.tensor(count, dtype=torch.int64, device="cpu")

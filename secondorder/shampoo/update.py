@@ -219,7 +219,7 @@ def commit(
         for p, t in steps:
             pstate = opt_state[p]
             rebound.append((pstate, "step", pstate["step"]))
-            pstate["step"] = torch.tensor(t, dtype=torch.int64)
+            pstate["step"] = torch.tensor(t, dtype=torch.int64, device="cpu")
         for dest, value in params:
             overwritten.append((dest, dest.clone()))
             dest.copy_(value)

@@ -31,6 +31,7 @@ from torch import Tensor
 from .._lapack import pad_identity
 from .config import CoupledNewtonConfig, EigenConfig, RootInvConfig
 from .root_inverse import (
+    all_finite,
     batched_eigh,
     coupled_newton_root_inverse,
     eigh_root_inverse,
@@ -148,9 +149,8 @@ class Preconditioner:
         failed_pairs: list[tuple[int, int]] = []
         for k in range(self.order):
             F = state[f"factor{k}"]
-            finite = finite_per_matrix(F)
-            if not bool(finite.all()):
-                bad = (~finite).nonzero().flatten().tolist()
+            if not bool(all_finite(F)):
+                bad = (~finite_per_matrix(F)).nonzero().flatten().tolist()
                 raise FloatingPointError(
                     f"Kronecker factor {k} of block(s) {bad} holds NaN or Inf: the factors "
                     "overflowed. Lower lr, use factor_dtype=torch.float64, or check the loss."

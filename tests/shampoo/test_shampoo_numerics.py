@@ -11,6 +11,7 @@ from secondorder.shampoo import assign_blocks
 from secondorder.shampoo.blocking import block_slices, merge_dims
 from secondorder.shampoo.preconditioner import mode_product
 from secondorder.shampoo.root_inverse import (
+    all_finite,
     batched_eigh,
     coupled_newton_root_inverse,
     eigh_root_inverse,
@@ -69,6 +70,29 @@ def test_finite_per_matrix_equals_isfinite() -> None:
     # Column-major (as eigh returns eigenvectors) and vectors (B, n).
     assert torch.equal(finite_per_matrix(A.mT.contiguous().mT), want)
     assert torch.equal(finite_per_matrix(A[:, 0, :].contiguous()), torch.isfinite(A[:, 0]).all(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_all_finite_equals_isfinite(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    big = torch.finfo(dtype).max
+    for special in (None, float("nan"), float("inf"), -float("inf"), big, -big):
+        L = torch.randn(3, 5, generator=g, dtype=dtype)
+        Q = torch.randn(3, 5, 5, generator=g, dtype=dtype).mT  # column-major, as eigh's
+        for target in (L, Q):
+            if special is not None:
+                T = target.clone()
+                T[1, 2, ...] = special
+                pair = (T, Q) if target is L else (L, T)
+            else:
+                pair = (L, Q)
+            want = bool(torch.isfinite(pair[0]).all() and torch.isfinite(pair[1]).all())
+            assert want == (special is None or abs(special) == big)
+            got = all_finite(*pair)
+            assert got.ndim == 0 and bool(got) == want
+            assert bool(all_finite(pair[target is Q])) == bool(
+                torch.isfinite(pair[target is Q]).all()
+            )
 
 
 def test_epsilon_shift_matches_eigh_reference() -> None:

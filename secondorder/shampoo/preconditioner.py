@@ -158,13 +158,17 @@ class Preconditioner:
             A = F / bc2 if bc2 != 1.0 else F
             result, failed = self._compute(A, k)
             name = self.amortized_name(k)
-            if bool(failed.any()):
+            if failed is not None and bool(failed.any()):
                 result = torch.where(failed.view(-1, 1, 1), state[name], result)
                 failed_pairs.extend((int(b), k) for b in failed.nonzero().flatten().tolist())
             state[name] = result
         return failed_pairs
 
-    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        """The amortized result of the stack ``A`` and the mask of its failed matrices.
+
+        ``None`` for the mask: none failed, known on the host without a device read.
+        """
         raise NotImplementedError
 
     def method(self, dtype: torch.dtype) -> str:
@@ -202,7 +206,7 @@ class Preconditioner:
 class RootInversePreconditioner(Preconditioner):
     """Shampoo: each factor's inverse ``2r``-th root, applied along its dimension."""
 
-    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         root = 2 * self.order
         cfg = self.root_inv_config
         if isinstance(cfg, CoupledNewtonConfig):
@@ -259,11 +263,11 @@ class EigenvalueCorrectedPreconditioner(Preconditioner):
         state["corrected_eigenvalues"] = torch.zeros(B, *self.shape, dtype=dtype, device=device)
         return state
 
-    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def _compute(self, A: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         cfg = self.root_inv_config
         retry = cfg.retry_double_precision if isinstance(cfg, EigenConfig) else True
         res = batched_eigh(A, retry)
-        return res.eigenvectors, res.failed
+        return res.eigenvectors, res.failed if res.any_failed else None
 
     def method(self, dtype: torch.dtype) -> str:  # noqa: D102
         cfg = self.root_inv_config

@@ -35,12 +35,15 @@ class EighResult:
     """Eigenvalues ``(B, n)``, eigenvectors ``(B, n, n)`` and which matrices failed ``(B,)``.
 
     A failed matrix has eigenvalues and eigenvectors set to NaN; the caller keeps its
-    previous result for it.
+    previous result for it.  ``any_failed``: whether one did, known on the host (the
+    matrix-by-matrix fallback decides each on the host), so that a caller need not
+    read ``failed`` back from the device.
     """
 
     eigenvalues: Tensor
     eigenvectors: Tensor
     failed: Tensor
+    any_failed: bool = False
 
 
 def finite_per_matrix(A: Tensor) -> Tensor:
@@ -92,6 +95,7 @@ def batched_eigh(A: Tensor, retry_double_precision: bool = True) -> EighResult:
     failed = torch.zeros(A.shape[0], dtype=torch.bool, device=A.device)
     if out is not None:
         return EighResult(out[0], out[1], failed)
+    any_failed = False
     L = torch.full(A.shape[:-1], float("nan"), dtype=A.dtype, device=A.device)
     Q = torch.full(A.shape, float("nan"), dtype=A.dtype, device=A.device)
     for i in range(A.shape[0]):
@@ -101,9 +105,10 @@ def batched_eigh(A: Tensor, retry_double_precision: bool = True) -> EighResult:
             one = None if wide is None else (wide[0].to(A.dtype), wide[1].to(A.dtype))
         if one is None:
             failed[i] = True
+            any_failed = True
         else:
             L[i], Q[i] = one[0][0], one[1][0]
-    return EighResult(L, Q, failed)
+    return EighResult(L, Q, failed, any_failed)
 
 
 def _add_identity(A: Tensor, epsilon: float) -> Tensor:
@@ -150,8 +155,8 @@ def eigh_root_inverse(
         inv = L.pow(exponent)
     X = Q * inv.unsqueeze(-2)
     X = X.mT if factored else X @ Q.mT
-    failed = res.failed | ~finite_per_matrix(X)
-    return X, failed
+    failed = ~finite_per_matrix(X)
+    return X, (res.failed | failed) if res.any_failed else failed
 
 
 def coupled_newton_root_inverse(

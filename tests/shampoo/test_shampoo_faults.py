@@ -253,6 +253,44 @@ def test_tolerated_root_failure_warns_only_when_the_step_is_taken(
         oa.step()
 
 
+def test_soap_keeps_the_previous_basis_of_the_one_block_whose_eigh_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two (3, 4) blocks in one stack: the batched eigh fails, the matrix-by-matrix
+    # fallback fails for the first block only.  That block keeps its eigenvectors (with
+    # a warning), the other's are refreshed exactly as on their own.
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(3, 4, dtype=torch.float64)) for _ in range(2)]
+    opt = Shampoo(ps, lr=0.01, preconditioner="eigenvalue_corrected", max_preconditioner_dim=4)
+    for p in ps:
+        p.grad = torch.randn(3, 4, dtype=torch.float64)
+    opt.step()
+    for p in ps:
+        p.grad = torch.randn(3, 4, dtype=torch.float64)
+    real = ri._eigh
+    stacks: list[torch.Tensor] = []
+
+    def first_fails(A: torch.Tensor) -> Any:
+        if A.shape[0] > 1:
+            stacks.append(A)
+            raise RuntimeError("linalg.eigh: failed to converge")
+        if torch.equal(A[0], stacks[-1][0]):
+            raise RuntimeError("linalg.eigh: failed to converge")
+        return real(A)
+
+    before = [{k: v.clone() for k, v in opt.state[p].items()} for p in ps]
+    monkeypatch.setattr(ri, "_eigh", first_fails)
+    with pytest.warns(RuntimeWarning, match=r"block 0 \(factors \[0, 1\]\) of parameter"):
+        opt.step()
+    assert len(stacks) == 2  # both factors' stacks fell back
+    for k, A in enumerate(stacks):
+        key = f"block0.eigenvectors{k}"
+        assert torch.equal(opt.state[ps[0]][key], before[0][key])
+        want = real(A[1:])[1][0]
+        assert torch.equal(opt.state[ps[1]][key], want)
+        assert not torch.equal(want, before[1][key])
+
+
 def test_refused_structure_change_and_bad_lr_change_nothing() -> None:
     a, oa, b, ob = _pair()
     _assert_twins(a, oa, b, ob, range(2))

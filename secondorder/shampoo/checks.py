@@ -51,12 +51,40 @@ def check_gradient_layout(param_groups: list[dict[str, Any]]) -> Grads:
     return grads
 
 
-def _gradient_ends(grads: Grads) -> list[Tensor]:
+def _unchanged_in_g(
+    param_groups: list[dict[str, Any]], prepared: list[tuple[Batch, Prepared]]
+) -> tuple[set[int], list[bool]]:
+    """Which gradients the batches' ``G`` already hold whole, and which batches hold them.
+
+    A batch's ``G`` is its blocks' gradients stacked and widened (exactly), unless L2
+    decay was added to it.  The ids of the parameters all of whose (local) entries are
+    in such batches, and per batch whether it is one: those gradients need no extremes
+    of their own, ``G``'s (taken for the overflow bound anyway) decide for them.
+    """
+    clean = []
+    held: dict[int, int] = {}
+    for batch, prep in prepared:
+        group = param_groups[batch.group_index]
+        l2 = float(group["weight_decay"]) != 0.0 and not group["use_decoupled_weight_decay"]
+        clean.append(not l2)
+        for b in prep.blocks if not l2 else ():
+            held[id(b.param)] = held.get(id(b.param), 0) + math.prod(b.spec.shape)
+    whole = {
+        id(b.param)
+        for _, prep in prepared
+        for b in prep.blocks
+        if held.get(id(b.param)) == b.data.numel()
+    }
+    return whole, clean
+
+
+def _gradient_ends(grads: Grads, skip: set[int]) -> list[Tensor]:
     """Each (local) gradient's minimum and maximum: NaN propagates, ±Inf is an extreme.
 
-    One reduction per gradient instead of ``isfinite``'s elementwise passes.
+    One reduction per gradient (but those in ``skip``, by id) instead of ``isfinite``'s
+    elementwise passes.
     """
-    local = [local_tensor(p.grad) for _, _, p in grads if p.grad is not None]
+    local = [local_tensor(p.grad) for _, _, p in grads if p.grad is not None and id(p) not in skip]
     return [end for g in local if g.numel() for end in torch.aminmax(g)]
 
 
@@ -78,37 +106,51 @@ def check_step(
 ) -> None:
     """Refuse non-finite gradients, then finite ones that would overflow: one host read.
 
-    The gradients' extremes (:func:`_gradient_ends`) and the maxima of the overflow
-    bound (:func:`_safety_ends`) are stacked, in the widest of their dtypes (a widening
-    that is exact), and read together.  A non-finite gradient is refused first, as if
-    checked alone; the exact float64 overflow check (:func:`_check_overflow`) runs only
-    for batches the bound does not clear.  Nothing changes before either refusal.
+    The maxima of the overflow bound (:func:`_safety_ends`, which open with each
+    batch's ``min G`` and ``max G``) and the extremes of the gradients no clean ``G``
+    holds whole (:func:`_unchanged_in_g`, :func:`_gradient_ends`) are stacked, in the
+    widest of their dtypes (a widening that is exact), and read together.  A
+    non-finite gradient is refused first, as if checked alone; the exact float64
+    overflow check (:func:`_check_overflow`) runs only for batches the bound does not
+    clear.  Nothing changes before either refusal.
     """
-    grad_ends = _gradient_ends(grads)
-    ends = grad_ends + _safety_ends(prepared)
+    whole, clean = _unchanged_in_g(param_groups, prepared)
+    grad_ends = _gradient_ends(grads, whole)
+    bound_ends, starts = _safety_ends(prepared)
+    ends = grad_ends + bound_ends
     values = torch.stack(ends).tolist() if ends else []
-    if not all(math.isfinite(v) for v in values[: len(grad_ends)]):
+    bound = values[len(grad_ends) :]
+    # A clean G (min and max first in its batch's values) is not finite exactly when
+    # one of its gradients is not.
+    g_ends = [v for at, ok in zip(starts, clean, strict=True) if ok for v in bound[at : at + 2]]
+    if not all(math.isfinite(v) for v in values[: len(grad_ends)] + g_ends):
         _refuse_non_finite(param_groups, grads)
-    safe = _surely_safe(param_groups, prepared, values[len(grad_ends) :])
+    safe = _surely_safe(param_groups, prepared, bound)
     _check_overflow(param_groups, prepared, safe)
 
 
-def _safety_ends(prepared: list[tuple[Batch, Prepared]]) -> list[Tensor]:
+#: The second-moment states whose largest entry the overflow bound reads, in order.
+_MOMENTS = ("corrected_eigenvalues", "grafting_state")
+
+
+def _safety_ends(prepared: list[tuple[Batch, Prepared]]) -> tuple[list[Tensor], list[int]]:
     """The maxima :func:`_surely_safe` bounds with, batch after batch.
 
     Per batch: min G, max G, each factor's largest diagonal entry, then the largest
     entry of each second-moment state (eigenvalue-corrected, grafting).
     """
     ends: list[Tensor] = []
+    starts = []  # where each batch's values begin
     for _, prep in prepared:
         S, G = prep.state, prep.G
+        starts.append(len(ends))
         ends.extend(torch.aminmax(G))
         for k in range(G.ndim - 1):
             ends.append(S[f"factor{k}"].diagonal(dim1=-2, dim2=-1).amax())
-        for key in ("corrected_eigenvalues", "grafting_state"):
+        for key in _MOMENTS:
             if key in S:
                 ends.append(S[key].amax())
-    return ends
+    return ends, starts
 
 
 def _surely_safe(

@@ -168,12 +168,16 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("preconditioner", ["root_inverse", "eigenvalue_corrected"])
-def test_a_non_finite_gradient_is_refused_before_an_overflowing_one(preconditioner: str) -> None:
+def test_a_non_finite_gradient_is_refused_before_an_overflowing_one(
+    preconditioner: str, decoupled: bool
+) -> None:
     # One gradient NaN, another finite but beyond what the factors hold: the one read
     # must still refuse the non-finite one first, naming it alone, and change nothing.
+    # With L2 decay G is not the gradient, so the gradients' own extremes decide.
     model = _model()
-    opt = _shampoo(model, preconditioner)
+    opt = _shampoo(model, preconditioner, use_decoupled_weight_decay=decoupled)
     for t in range(1, FREQUENCY + 2):
         _backward(model, opt, t)
         opt.step()
@@ -186,6 +190,22 @@ def test_a_non_finite_gradient_is_refused_before_an_overflowing_one(precondition
     assert _same(before, _snapshot(model, opt))
     _grad(model, 0, "bias").zero_()
     with pytest.raises(FloatingPointError, match=r"\(shape \(3, 4\)\) is finite but would"):
+        opt.step()
+    assert _same(before, _snapshot(model, opt))
+
+
+def test_a_finite_gradient_that_l2_decay_makes_infinite_is_refused_as_too_large() -> None:
+    # G = g + wd·W overflows float32 though g and W are finite: the gradient is not
+    # called non-finite; the step is refused as one that would overflow the state.
+    model = nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(3e38)
+    opt = Shampoo(model.parameters(), weight_decay=1.0, use_decoupled_weight_decay=False)
+    model.weight.grad = torch.full((2, 3), -3e38)  # G = 0: a step that fits
+    opt.step()
+    before = _snapshot(model, opt)
+    model.weight.grad = torch.full((2, 3), 3e38)
+    with pytest.raises(FloatingPointError, match=r"\(shape \(2, 3\)\) is finite but would"):
         opt.step()
     assert _same(before, _snapshot(model, opt))
 
@@ -232,6 +252,23 @@ def reads_job(rank: int, world: int) -> dict[str, Any]:
         out["refused"] = f"{type(exc).__name__}: {exc}"
     out["refused_calls"] = list(calls)
     out["unchanged"] = _same(before, _snapshot(model, opt))
+    # One (4, 16) weight cut into two (4, 8) blocks, one per rank; the same NaN on
+    # every rank, in the block rank 1 owns: rank 0 must see it in the gradient too.
+    torch.manual_seed(1)
+    wide = nn.Linear(16, 4, bias=False)
+    split = Shampoo(wide.parameters(), lr=1e-2, max_preconditioner_dim=8)
+    wide.weight.grad = torch.ones(4, 16)
+    split.step()
+    before = _snapshot(wide, split)
+    wide.weight.grad = torch.ones(4, 16)
+    wide.weight.grad[0, 12] = float("nan")
+    try:
+        split.step()
+        out["split"] = ""
+    except Exception as exc:  # every rank must raise
+        out["split"] = f"{type(exc).__name__}: {exc}"
+    out["split_unchanged"] = _same(before, _snapshot(wide, split))
+    out["split_blocks"] = sorted(k for k in split.state[wide.weight] if k.endswith("factor0"))
     return out
 
 
@@ -248,3 +285,9 @@ def test_ranks_refuse_together_with_one_exchange_per_step() -> None:
         assert got[rank]["unchanged"]
     assert got[0]["refused"].startswith("FloatingPointError: non-finite gradient")
     assert got[1]["refused"].startswith("RankFailedError: rank(s) [0] of 2 refused")
+    # Each rank holds the state of its own block of the split weight, and both refuse
+    # the NaN themselves, the rank that does not own its block included.
+    assert [got[r]["split_blocks"] for r in range(2)] == [["block0.factor0"], ["block1.factor0"]]
+    for rank in range(2):
+        assert got[rank]["split"].startswith("FloatingPointError: non-finite gradient")
+        assert got[rank]["split_unchanged"]

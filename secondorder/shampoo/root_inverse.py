@@ -66,7 +66,7 @@ def all_finite(*tensors: Tensor) -> Tensor:
     One ``aminmax`` per tensor (NaN propagates, ±Inf is an extreme) and ``x·0 == 0``
     on their stack: six operations for two tensors where two :func:`finite_per_matrix`
     and their ``&`` and ``all`` take fourteen, for a decision that needs no per-matrix
-    answer.  The whole-tensor reduction copies nothing, column-major or not.
+    answer.
     """
     ends = torch.stack([end for t in tensors for end in torch.aminmax(t)])
     return (ends * 0.0 == 0.0).all()

@@ -78,7 +78,17 @@ CURVE_FIT_CASES = [
     (
         {"f": lambda t, a, k: (a * t).double(), "ydata": Y.float()},
         TypeError,
-        r"the model \(f, or fun\) must return a torch.float32 tensor",
+        r"f must return a tensor of the fits' dtype torch.float32, got torch.float64",
+    ),
+    (
+        {"f": lambda t, a, k: (a * torch.exp(-k * t)).float()},
+        TypeError,
+        r"f must return a tensor of the fits' dtype torch.float64, got torch.float32",
+    ),
+    (
+        {"f": lambda t, a, k: torch.ones(5, 12, dtype=torch.int64)},
+        TypeError,
+        r"f must return a tensor of the fits' dtype torch.float64, got torch.int64",
     ),
     ({"f": lambda t, a, k: np.ones(12)}, TypeError, "f must return a tensor"),
     ({"f": lambda t, a, k: a * t[:4]}, ValueError, r"f returned shape \(5, 4\) for 5 fits"),
@@ -109,11 +119,13 @@ LEAST_SQUARES_CASES = [
     ({"fun": lambda x, rows: rows[:, 0]}, ValueError, r"fun must return \(B, m\) residuals"),
     ({"fun": lambda x, rows: [1.0]}, TypeError, "fun must return a tensor"),
     ({"loss": "l1"}, ValueError, r"Unknown loss='l1'"),
-    ({"bounds": (2.0, 3.0)}, ValueError, "p0 is outside the bounds for fit 0"),
+    ({"bounds": (2.0, 3.0)}, ValueError, r"x0 is outside the bounds for fit 0: x0=\[1.0, 1.0\]"),
     ({"x0": X0.half()}, ValueError, r"dtype torch.float16 is not supported: pass x0 as float32"),
     # Checked before fun is called: this fun would fail otherwise.
     ({"fun": lambda x, rows: 1 / 0, "ftol": -1.0}, ValueError, r"Invalid ftol=-1.0"),
     ({"fun": lambda x, rows: 1 / 0, "compile": 1}, TypeError, "compile must be True or False"),
+    ({"fun": lambda x, rows: 1 / 0, "bounds": (2.0, 3.0)}, ValueError, "x0 is outside the bounds"),
+    ({"fun": lambda x, rows: 1 / 0, "x_scale": -1.0}, ValueError, r"Invalid x_scale=-1.0"),
 ]
 
 

@@ -336,6 +336,9 @@ def least_squares_batch(
         rows.append(a.to(dev))
     lb, ub = check.bounds_pair(bounds, b, n, dt, dev)
     check.check_loss(loss, f_scale)
+    check.x_scale(x_scale, b, n, dt, dev)
+    # Before the call of fun below that reads m: a refused start costs no evaluation.
+    check.feasible(x_start, lb, ub, name="x0")
 
     def residuals(q: Tensor, *r: Tensor) -> Tensor:
         out: Tensor = fun(q, *r, **kw)
@@ -385,6 +388,7 @@ def least_squares_batch(
         compile=compile,
         covariance=False,
         absolute_sigma=False,
+        start="x0",
     )
     return res
 
@@ -409,8 +413,12 @@ def _solve(
     compile: bool,
     covariance: bool,
     absolute_sigma: bool,
+    start: str = "p0",
 ) -> tuple[BatchResult, Tensor | None]:
-    """Check the run's options, build the rule and the change of variables, run, report."""
+    """Check the run's options, build the rule and the change of variables, run, report.
+
+    ``start``: the name of the starts' argument, for the error that refuses one.
+    """
     tols = _check_options(
         ftol, xtol, gtol, max_nfev, check_every, chunk, memory_budget, compile, progress
     )
@@ -418,7 +426,7 @@ def _solve(
     scale = check.x_scale(x_scale, b, n, p.dtype, p.device)
     lo, hi = torch.isfinite(problem.lb), torch.isfinite(problem.ub)
     bounded = bool((lo | hi).any())
-    check.feasible(p, problem.lb, problem.ub)
+    check.feasible(p, problem.lb, problem.ub, name=start)
     problem = _with_transform(problem, scale, bounded)
     transform = problem.transform
     y0 = transform.to_y(transform.strictly_feasible(p))

@@ -210,14 +210,14 @@ def bounds_pair(
     return lb, ub
 
 
-def feasible(p: Tensor, lb: Tensor, ub: Tensor) -> None:
-    """Refuse starts outside the bounds, naming the first such fit."""
+def feasible(p: Tensor, lb: Tensor, ub: Tensor, *, name: str = "p0") -> None:
+    """Refuse starts outside the bounds, naming the argument (``name``) and the first such fit."""
     outside = (p < lb) | (p > ub)
     if bool(outside.any()):
         fit = int(torch.nonzero(outside.any(-1))[0])
         raise ValueError(
-            f"p0 is outside the bounds for fit {fit}: p0={p[fit].tolist()}, lb={lb[fit].tolist()}"
-            f", ub={ub[fit].tolist()}; pass starts within the bounds"
+            f"{name} is outside the bounds for fit {fit}: {name}={p[fit].tolist()}, "
+            f"lb={lb[fit].tolist()}, ub={ub[fit].tolist()}; pass starts within the bounds"
         )
 
 
@@ -291,6 +291,16 @@ def column_model(f: Callable[..., Any], n: int, m: int) -> Callable[[list[Tensor
         if not isinstance(out, Tensor):
             raise TypeError(
                 f"f must return a tensor (write it with torch operations), got {type(out).__name__}"
+            )
+        dtype = cols[0].dtype
+        if out.dtype != dtype:
+            # f - ydata would promote a float32 model to float64 fits silently: the fits
+            # would then carry float32 answers under a float64 label.
+            raise TypeError(
+                f"f must return a tensor of the fits' dtype {dtype}, got {out.dtype}: "
+                f"compute in the parameters' dtype (they come as (B, 1) {dtype} columns; "
+                "a constant or xdata of another dtype changes it), or pass dtype= for the "
+                "precision the model computes in"
             )
         want = (cols[0].shape[0], m)
         try:

@@ -15,6 +15,12 @@ T = torch.linspace(0, 3, 12, dtype=F64)
 Y = 2.0 * torch.exp(-T) + torch.zeros(5, 1, dtype=F64)
 
 
+UB_CROSSED = torch.full((5, 2), 9.0, dtype=F64)
+UB_CROSSED[3, 1] = -1.0
+SIGMA_NEGATIVE = torch.ones(5, 12, dtype=F64)
+SIGMA_NEGATIVE[2, 7] = -0.5
+
+
 def decay(t, a, k):
     return a * torch.exp(-k * t)
 
@@ -31,6 +37,11 @@ CURVE_FIT_CASES = [
     ({"f": lambda t: t, "p0": None}, ValueError, "takes no parameters after x"),
     ({"bounds": (0.0,)}, ValueError, r"bounds must be a pair \(lb, ub\)"),
     ({"bounds": (1.0, 1.0)}, ValueError, "strictly less than each upper bound"),
+    (
+        {"bounds": (0.0, UB_CROSSED)},
+        ValueError,
+        r"bounds lb=0.0 >= ub=-1.0 for parameter 1 of fit 3",
+    ),
     ({"bounds": ([0.0, 0.0, 0.0], 9.0)}, ValueError, r"bounds lb must be a scalar, \(2,\)"),
     ({"bounds": (0.0, [9.0, math.nan])}, ValueError, "bounds ub contains NaN"),
     ({"bounds": (0.0, [9.0, 0.5])}, ValueError, "p0 is outside the bounds for fit 0"),
@@ -50,7 +61,12 @@ CURVE_FIT_CASES = [
         ValueError,
         r"must be positive definite \(fit 2\)",
     ),
-    ({"sigma": 0.0}, ValueError, r"sigma must be > 0 everywhere"),
+    (
+        {"sigma": 0.0},
+        ValueError,
+        r"sigma must be > 0 everywhere \(standard deviations of ydata\), got sigma=0.0",
+    ),
+    ({"sigma": SIGMA_NEGATIVE}, ValueError, r"got sigma\[2, 7\]=-0.5; .* pass the points' st"),
     ({"estimator": "mle", "sigma": 1.0}, ValueError, "sigma=1.0 with estimator='mle'"),
     ({"estimator": "mle", "loss": "huber"}, ValueError, "loss='huber' with estimator='mle'"),
     ({"loss": "l2"}, ValueError, r"Unknown loss='l2'; valid choices are"),

@@ -202,10 +202,13 @@ def bounds_pair(
             raise ValueError(f"bounds {side} contains NaN")
         sides.append(t)
     lb, ub = sides
-    if bool((lb >= ub).any()):
+    crossed = lb >= ub
+    if bool(crossed.any()):
+        fit, j = (int(i) for i in torch.nonzero(crossed)[0])
         raise ValueError(
-            "Each lower bound must be strictly less than each upper bound (bounds lb >= ub "
-            "somewhere): pass lb < ub"
+            f"Each lower bound must be strictly less than each upper bound: bounds lb="
+            f"{float(lb[fit, j])!r} >= ub={float(ub[fit, j])!r} for parameter {j} of fit "
+            f"{fit}; pass lb < ub (a parameter to hold fixed belongs in f, not in bounds)"
         )
     return lb, ub
 

@@ -81,9 +81,12 @@ def data_weights(
             f"covariances of ydata (({m}, {m}) or ({b}, {m}, {m})), got shape {tuple(s.shape)}"
         )
     if bool((s <= 0).any()):
+        first = tuple(int(i) for i in torch.nonzero(s <= 0)[0])
+        where = f"sigma[{', '.join(map(str, first))}]" if first else "sigma"
         raise ValueError(
-            "sigma must be > 0 everywhere (standard deviations of ydata); a fit with a "
-            "NaN sigma fails alone, a zero or negative one is refused"
+            f"sigma must be > 0 everywhere (standard deviations of ydata), got "
+            f"{where}={float(s[first])!r}; a fit with a NaN sigma fails alone, a zero or "
+            "negative one is refused: pass the points' standard deviations"
         )
     return DataWeights(1.0 / s, per_fit=s.shape == (b, m) and s.ndim == 2, whitening=False)
 

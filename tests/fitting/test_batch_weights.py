@@ -197,3 +197,20 @@ def test_poisson_rate_through_the_origin_is_the_closed_form():
     torch.testing.assert_close(popt[:, 0], rate, rtol=1e-8, atol=0)
     # Fisher's information Σt²/μ = Σt/a at the fit.
     torch.testing.assert_close(pcov[:, 0, 0], rate / t.sum(), rtol=1e-6, atol=0)
+
+
+def test_a_poisson_fit_of_zero_counts_goes_to_the_closed_form_rate_zero():
+    """No counts at all: the deviance 2aΣt falls to a = 0 (Σk/Σt), not a stop at p0.
+
+    There the Fisher information Σk/μ² is 0 while the gradient 2Σt is not: the gtol
+    test must not read that parameter as converged.
+    """
+    t = torch.arange(1.0, 11.0, dtype=F64)
+    counts = torch.poisson(2.0 * t.expand(3, -1), generator=torch.Generator().manual_seed(11))
+    counts[1] = 0.0
+    popt, pcov, info = so.curve_fit_batch(lambda t, a: a * t, t, counts, p0=[1.0], estimator="mle")
+    rate = counts.sum(1) / t.sum()
+    assert float(rate[1]) == 0.0 and bool(info.success.all())
+    torch.testing.assert_close(popt[:, 0], rate, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(pcov[:, 0, 0], rate / t.sum(), rtol=1e-6, atol=1e-10)
+    torch.testing.assert_close(info.cost[1], torch.zeros((), dtype=F64), rtol=0, atol=1e-9)

@@ -130,11 +130,18 @@ class BatchTrustRegion:
     # ---------------------------------------------------------------- iteration start
 
     def gtol_reached(self, grad: Tensor, col_sq: Tensor, loss: Tensor) -> Tensor:
-        """MINPACK's gtol test: ``max_i |gᵢ| / (‖Jᵢ‖·‖r‖) ≤ gtol`` (0 where ``r = 0``)."""
+        """MINPACK's gtol test: ``max_i |gᵢ| / (‖Jᵢ‖·‖r‖) ≤ gtol`` (0 where ``r = 0``).
+
+        A column with ``‖Jᵢ‖ = 0`` counts 0 where ``gᵢ = 0`` (least squares: always),
+        else inf.
+        """
         rnorm = loss.clamp(min=0.0).sqrt()
         colnorm = col_sq.sqrt()
         ratio = grad.abs() / (colnorm * rnorm.unsqueeze(-1))
-        cos = torch.where(colnorm > 0, ratio, torch.zeros_like(ratio)).amax(-1)
+        # A column without curvature can still have a gradient (a Poisson fit whose
+        # counts are 0 wherever the parameter acts: k/μ² = 0, 1 - k/μ = 1): not converged.
+        idle = torch.where(grad == 0, 0.0, math.inf)
+        cos = torch.where(colnorm > 0, ratio, idle).amax(-1)
         cos = torch.where(rnorm > 0, cos, torch.zeros_like(cos))
         return cos <= self.gtol
 

@@ -107,6 +107,16 @@ CURVE_FIT_CASES = [
         r"f must return a tensor of the fits' dtype torch.float64, got torch.int64",
     ),
     ({"f": lambda t, a, k: np.ones(12)}, TypeError, "f must return a tensor"),
+    (
+        {"f": lambda t, a, k: (a * t).to("meta")},
+        ValueError,
+        r"f must return a tensor on the fits' device cpu, got one on meta: make its const",
+    ),
+    (
+        {"jac": lambda t, a, k: torch.zeros(5, 12, 2, dtype=F64, device="meta")},
+        ValueError,
+        r"jac must return a tensor on the fits' device cpu, got one on meta",
+    ),
     ({"f": lambda t, a, k: a * t[:4]}, ValueError, r"f returned shape \(5, 4\) for 5 fits"),
     ({"jac": lambda t, a, k: torch.ones(5, 12)}, ValueError, r"jac must return a tensor of shape"),
 ]
@@ -134,6 +144,16 @@ LEAST_SQUARES_CASES = [
     ({"jac": 1}, TypeError, "jac must be None or a callable"),
     ({"fun": lambda x, rows: rows[:, 0]}, ValueError, r"fun must return \(B, m\) residuals"),
     ({"fun": lambda x, rows: [1.0]}, TypeError, "fun must return a tensor"),
+    (
+        {"fun": lambda x, rows: _fun(x, rows).to("meta")},
+        ValueError,
+        r"fun must return a tensor on the fits' device cpu, got one on meta",
+    ),
+    (
+        {"jac": lambda x, rows: torch.zeros(5, 12, 2, dtype=F64, device="meta")},
+        ValueError,
+        r"jac must return a tensor on the fits' device cpu, got one on meta",
+    ),
     ({"loss": "l1"}, ValueError, r"Unknown loss='l1'"),
     ({"bounds": (2.0, 3.0)}, ValueError, r"x0 is outside the bounds for fit 0: x0=\[1.0, 1.0\]"),
     ({"x0": X0.half()}, ValueError, r"dtype torch.float16 is not supported: pass x0 as float32"),

@@ -209,8 +209,8 @@ def curve_fit_batch(
         def jac_fn(q: Tensor, ys: Tensor, *rest: Tensor) -> Tensor:
             xs = rest[-1] if per_fit else x
             J = jac(xs, *[q[:, j : j + 1] for j in range(n)])
-            J = J if isinstance(J, Tensor) else torch.as_tensor(J)
-            J = J.to(q.dtype)
+            J = J if isinstance(J, Tensor) else torch.as_tensor(J, device=q.device)
+            J = check.on_device("jac", J, q.device).to(q.dtype)
             if estimator == "mle" or weights is None:
                 return J
             return weights.jacobian(J, rest[0] if weighted else None)
@@ -341,15 +341,16 @@ def least_squares_batch(
     check.feasible(x_start, lb, ub, name="x0")
 
     def residuals(q: Tensor, *r: Tensor) -> Tensor:
-        out: Tensor = fun(q, *r, **kw)
-        return out
+        out = fun(q, *r, **kw)
+        return check.on_device("fun", out, q.device) if isinstance(out, Tensor) else out
 
     jac_fn = None
     if jac is not None:
 
         def jac_fn(q: Tensor, *r: Tensor) -> Tensor:
             out = jac(q, *r, **kw)
-            return (out if isinstance(out, Tensor) else torch.as_tensor(out)).to(q.dtype)
+            out = out if isinstance(out, Tensor) else torch.as_tensor(out, device=q.device)
+            return check.on_device("jac", out, q.device).to(q.dtype)
 
     probe = fun(x_start[:1], *[r[:1] for r in rows], **kw) if b else None
     if b and not isinstance(probe, Tensor):

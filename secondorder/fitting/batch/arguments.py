@@ -28,6 +28,7 @@ __all__ = [
     "counts",
     "dtype_device",
     "feasible",
+    "on_device",
     "parameter_count",
     "per_fit",
     "short",
@@ -286,6 +287,17 @@ def x_scale(
     return s.clone()
 
 
+def on_device(name: str, out: Tensor, device: torch.device) -> Tensor:
+    """``out`` (what ``name`` returned) if it is on the fits' ``device``, else an error."""
+    if out.device != device:
+        raise ValueError(
+            f"{name} must return a tensor on the fits' device {device}, got one on "
+            f"{out.device}: make its constants on the device of the parameters (or xdata), "
+            "e.g. torch.as_tensor(c, device=x.device), or run the fits on its device"
+        )
+    return out
+
+
 def column_model(f: Callable[..., Any], n: int, m: int) -> Callable[[list[Tensor], Any], Tensor]:
     """``(columns, xs) -> f(xs, *columns)`` as ``(B, m)``, each column ``(B, 1)``."""
 
@@ -295,6 +307,7 @@ def column_model(f: Callable[..., Any], n: int, m: int) -> Callable[[list[Tensor
             raise TypeError(
                 f"f must return a tensor (write it with torch operations), got {type(out).__name__}"
             )
+        on_device("f", out, cols[0].device)
         dtype = cols[0].dtype
         if out.dtype != dtype:
             # f - ydata would promote a float32 model to float64 fits silently: the fits

@@ -118,7 +118,10 @@ def curve_fit_batch(
             forward-mode autodiff (one ``jvp`` per parameter, vectorised).
         estimator: ``"lse"`` (least squares) or ``"mle"`` (Poisson maximum likelihood
             for counts, Gpufit's MLE: minimises the deviance; ``pcov`` is the inverse
-            Fisher information, ``Σ ∂μ∂μᵀ/μ``).
+            Fisher information, ``Σ ∂μ∂μᵀ/μ``).  A step to ``μ < 0`` is refused, so
+            bound a parameter that can take μ there (a background: ``lb = 0``): a
+            fit pressed against ``μ = 0`` where its counts are 0 otherwise stops short
+            of the optimum on its step size (status 3).
         loss: a robust loss, one of scipy's names (``"lse"`` only).
         f_scale: the robust loss's soft margin between inliers and outliers.
         ftol: scipy's tolerance on the relative reduction of the cost, per fit.

@@ -400,3 +400,22 @@ def test_the_rule_takes_one_fit_as_0d_state_or_a_batch_of_one():
     assert float(outs[0][0]) > 0  # the region was filled by a λ > 0, not Gauss-Newton
     for a, b in zip(outs[0], outs[1], strict=True):
         assert a.shape == b.shape[1:] and torch.equal(a, b[0])
+
+
+@pytest.mark.parametrize("max_nfev", [2**31, 10**12])
+def test_a_budget_beyond_the_evaluation_counter_is_no_budget(max_nfev):
+    """max_nfev past int32 (the fits' counter) must not wrap to a spent budget."""
+    gen = torch.Generator().manual_seed(12)
+    t = torch.linspace(0, 4, 20, dtype=F64)
+    y = decay(t, 2.0, 0.7, 0.3) + 0.02 * torch.randn(3, 20, generator=gen, dtype=F64)
+    big = so.curve_fit_batch(decay, t, y, p0=[1.0, 1.0, 0.0], max_nfev=max_nfev)
+    ref = so.curve_fit_batch(decay, t, y, p0=[1.0, 1.0, 0.0])
+    assert bool(big[2].success.all())
+    assert torch.equal(big[0], ref[0]) and torch.equal(big[2].nfev, ref[2].nfev)
+    res = so.least_squares_batch(
+        lambda q, r: decay(t, q[:, :1], q[:, 1:2], q[:, 2:]) - r,
+        torch.tensor([[1.0, 1.0, 0.0]], dtype=F64).expand(3, 3),
+        args=(y,),
+        max_nfev=max_nfev,
+    )
+    torch.testing.assert_close(res.x, ref[0], rtol=0, atol=0)

@@ -24,6 +24,7 @@ from . import arguments as check
 from .compiled import CPU_SLOTS
 from .driver import RunOptions, make_progress, run
 from .driver import chunk_size as fits_per_chunk
+from .engine import COUNT
 from .problem import BatchProblem, Objective
 from .rule import BatchTrustRegion
 from .weights import data_weights
@@ -436,6 +437,9 @@ def _solve(
     y0 = transform.to_y(transform.strictly_feasible(p))
     rule = BatchTrustRegion(ftol=tols[0], xtol=tols[1], gtol=tols[2], identity=scale is not None)
     budget = int(max_nfev) if max_nfev is not None else 100 * n
+    # The fits count evaluations in int32 (COUNT): a larger budget would wrap around
+    # to a negative one in ``budget - nfev``; it is never reached, so cap it.
+    budget = min(budget, torch.iinfo(COUNT).max)
     size = chunk or fits_per_chunk(b, problem.m, n, p.dtype, p.device, memory_budget)
     if compile and chunk is None and p.device.type == "cpu":
         size = min(size, CPU_SLOTS)

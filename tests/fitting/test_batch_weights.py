@@ -83,6 +83,29 @@ def test_a_covariance_sigma_is_scipys_2d_sigma(shared, absolute_sigma):
         np.testing.assert_allclose(pcov[i].numpy(), ref_cov, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_a_covariance_sigma_gives_the_same_bits_in_any_chunk(shared, dtype):
+    """Whitening by sums, not a matrix product whose kernel depends on the fits' count."""
+    t, y = _data(6, 15, seed=13)
+    cov = _covariance(15, seed=14)
+    sigma = cov if shared else cov * (1.0 + torch.arange(6, dtype=F64))[:, None, None]
+    t, y, sigma = t.to(dtype), y.to(dtype), sigma.to(dtype)
+
+    def jac(x, a, k):
+        e = torch.exp(-k * x)
+        return torch.stack(torch.broadcast_tensors(e, -a * x * e), -1)
+
+    for given in (None, jac):
+        whole = so.curve_fit_batch(decay, t, y, p0=[1.0, 1.0], sigma=sigma, jac=given)
+        for chunk in (1, 4):
+            part = so.curve_fit_batch(
+                decay, t, y, p0=[1.0, 1.0], sigma=sigma, jac=given, chunk_size=chunk
+            )
+            assert torch.equal(part[0], whole[0]) and torch.equal(part[1], whole[1])
+            assert torch.equal(part[2].nfev, whole[2].nfev)
+
+
 def test_a_diagonal_covariance_is_the_standard_deviations_and_jac_maps_alike():
     t, y = _data(5, 10, seed=3)
     s = 0.01 + torch.rand(5, 10, generator=torch.Generator().manual_seed(4), dtype=F64)

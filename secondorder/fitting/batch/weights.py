@@ -41,9 +41,7 @@ class DataWeights:
         assert w is not None
         if not self.whitening:
             return diff * w
-        if self.per_fit:
-            return (w @ diff.unsqueeze(-1)).squeeze(-1)
-        return diff @ w.mT
+        return _whiten(w, diff.unsqueeze(-1)).squeeze(-1)
 
     def jacobian(self, J: Tensor, row: Tensor | None) -> Tensor:
         """``J`` ``(B, m, n)`` (of ``f``) mapped as the residuals are."""
@@ -51,7 +49,29 @@ class DataWeights:
         assert w is not None
         if not self.whitening:
             return J * (w if w.ndim == 0 else w.reshape(-1, J.shape[1]))[..., None]
-        return w @ J
+        return _whiten(w, J)
+
+
+#: Entries of the product a whitening forms at once, ``k·m·m·n`` for ``k`` fits.
+_WHITEN_ENTRIES = 1 << 22
+
+
+def _whiten(w: Tensor, v: Tensor) -> Tensor:
+    """``w @ v`` per fit (``w`` ``(m, m)`` or ``(B, m, m)``, ``v`` ``(B, m, k)``), by sums.
+
+    A matrix product's rounding depends on how many fits it holds (BLAS takes another
+    kernel for one row than for many), so a fit would change in its last bits with
+    the chunk or the unfinished fits it runs among.  A product and a sum along each
+    row have one order per fit, whatever the batch; they run a slice of fits at a
+    time, so the ``(fits, m, m, k)`` product stays small.
+    """
+    b, m, k = v.shape
+    step = max(1, _WHITEN_ENTRIES // max(1, m * m * k))
+    parts = []
+    for lo in range(0, max(b, 1), step):
+        ws = w if w.ndim == 2 else w[lo : lo + step]
+        parts.append((ws.unsqueeze(-1) * v[lo : lo + step].unsqueeze(-3)).sum(-2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def data_weights(

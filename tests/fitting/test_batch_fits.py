@@ -419,3 +419,21 @@ def test_a_budget_beyond_the_evaluation_counter_is_no_budget(max_nfev):
         max_nfev=max_nfev,
     )
     torch.testing.assert_close(res.x, ref[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_a_fit_of_many_points_gives_the_same_bits_alone_as_in_a_batch(dtype):
+    """Chunks of one fit (as the last fit left after compaction) change no bit.
+
+    The gradient Jᵀu of a fit of hundreds of points was a batched matrix product,
+    whose kernel for a batch of one rounds differently.
+    """
+    gen = torch.Generator().manual_seed(13)
+    t = torch.linspace(0, 5, 400, dtype=F64)
+    true = torch.rand(5, 3, generator=gen, dtype=F64) + 0.3
+    y = decay(t, *[true[:, j : j + 1] for j in range(3)])
+    y = (y + 0.02 * torch.randn(y.shape, generator=gen, dtype=F64)).to(dtype)
+    whole = so.curve_fit_batch(decay, t.to(dtype), y, p0=[1.0, 1.0, 0.0])
+    alone = so.curve_fit_batch(decay, t.to(dtype), y, p0=[1.0, 1.0, 0.0], chunk_size=1)
+    assert torch.equal(alone[0], whole[0]) and torch.equal(alone[1], whole[1])
+    assert torch.equal(alone[2].nfev, whole[2].nfev)

@@ -276,7 +276,10 @@ class BatchProblem:
         J = self.jacobian_x(transform.to_x(y))
         w, u = self.objective.weights(f, self.counts)
         A = gram(J, w)
-        g = torch.einsum("ibm,bm->bi", J, u)
+        # A product and a sum along each fit's points, not a batched matrix product:
+        # that one takes another kernel for a batch of one fit (a chunk, or the last
+        # fit left after compaction), and the fit's bits would depend on it.
+        g = (J * u).sum(-1).T
         raw = (J * J).sum(-1).T if self.objective.robust else None
         if transform.any:
             d1, d2 = transform.derivatives(y)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -432,7 +433,7 @@ def _solve(
     lo, hi = torch.isfinite(problem.lb), torch.isfinite(problem.ub)
     bounded = bool((lo | hi).any())
     check.feasible(p, problem.lb, problem.ub, name=start)
-    problem = _with_transform(problem, scale, bounded)
+    problem = replace(problem, scale=scale, bounded=bounded)
     transform = problem.transform
     y0 = transform.to_y(transform.strictly_feasible(p))
     rule = BatchTrustRegion(ftol=tols[0], xtol=tols[1], gtol=tols[2], identity=scale is not None)
@@ -495,9 +496,3 @@ def _check_options(
             f"{progress!r}"
         )
     return tols
-
-
-def _with_transform(problem: BatchProblem, scale: Tensor | None, bounded: bool) -> BatchProblem:
-    from dataclasses import replace
-
-    return replace(problem, scale=scale, bounded=bounded)

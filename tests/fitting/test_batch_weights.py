@@ -237,3 +237,57 @@ def test_a_poisson_fit_of_zero_counts_goes_to_the_closed_form_rate_zero():
     torch.testing.assert_close(popt[:, 0], rate, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(pcov[:, 0, 0], rate / t.sum(), rtol=1e-6, atol=1e-10)
     torch.testing.assert_close(info.cost[1], torch.zeros((), dtype=F64), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_a_poisson_fit_stopped_against_mu_zero_is_reported_unsuccessful(dtype):
+    """A background free to go negative, zero counts in the tail: steps into μ < 0 are
+    refused until the step size stops the fit short; it must say so, not succeed.
+
+    The reference optimum is the fit with the background bounded at 0 (itself checked
+    against scipy's L-BFGS-B on the deviance).  Fit 1 has counts everywhere and
+    converges normally: its bits are those of its fit alone.
+    """
+    t = torch.linspace(0.0, 16.0, 33, dtype=F64)
+    rate = 20.0 * torch.exp(-t / 2.0)
+    counts = torch.stack(
+        [
+            torch.poisson(rate, generator=torch.Generator().manual_seed(8)),
+            torch.poisson(rate + 5.0, generator=torch.Generator().manual_seed(8)),
+        ]
+    )
+    assert bool((counts[0] == 0).any()) and bool((counts[1] > 0).all())
+
+    def model(t, a, tau, b):
+        return a * torch.exp(-t / tau) + b
+
+    args = (model, t.to(dtype), counts.to(dtype))
+    kw = {"p0": [10.0, 1.0, 1.0], "estimator": "mle"}
+    popt, pcov, info = so.curve_fit_batch(*args, **kw)
+    bounded = so.curve_fit_batch(*args, bounds=([-math.inf, -math.inf, 0.0], math.inf), **kw)
+
+    tn, kn = t.numpy(), counts[0].numpy()
+
+    def deviance(p):
+        mu = p[0] * np.exp(-tn / p[1]) + p[2]
+        safe = np.where(kn > 0, kn, 1.0)
+        return float(2 * np.sum(np.where(kn > 0, mu - kn - kn * np.log(mu / safe), mu)))
+
+    ref = scipy_optimize.minimize(
+        deviance, [20.0, 2.0, 0.5], method="L-BFGS-B",
+        bounds=[(1.0, None), (0.1, None), (0.0, None)], options={"ftol": 1e-14, "gtol": 1e-10},
+    )  # fmt: skip
+    optimum = 2 * float(bounded[2].cost[0])
+    assert bool(bounded[2].success[0])
+    assert optimum == pytest.approx(ref.fun, rel=1e-5)
+    # Stopped well short of the optimum, and says so.
+    assert 2 * float(info.cost[0]) > optimum + 1.0
+    assert int(info.status[0]) == -3 and not bool(info.success[0])
+    assert info.message[0] == so.fitting.batch.BATCH_MESSAGES[-3]
+    assert "stopped against μ = 0" in info.message[0] and "lb = 0" in info.message[0]
+    # The other fit converges, and the stuck one changes none of its bits.
+    assert int(info.status[1]) in (2, 3, 4) and bool(info.success[1])
+    alone = so.curve_fit_batch(model, t.to(dtype), counts[1:].to(dtype), **kw)
+    assert torch.equal(alone[0][0], popt[1]) and torch.equal(alone[1][0], pcov[1])
+    for key in ("cost", "fun", "nfev", "njev", "nit", "status"):
+        assert torch.equal(alone[2][key][0], info[key][1]), key

@@ -25,7 +25,7 @@ from . import arguments as check
 from .compiled import CPU_SLOTS
 from .driver import RunOptions, make_progress, run
 from .driver import chunk_size as fits_per_chunk
-from .engine import COUNT
+from .engine import COUNT, OWN_MESSAGES
 from .problem import BatchProblem, Objective
 from .rule import BatchTrustRegion
 from .weights import data_weights
@@ -33,13 +33,9 @@ from .weights import data_weights
 __all__ = ["BATCH_MESSAGES", "ESTIMATORS", "BatchResult", "curve_fit_batch", "least_squares_batch"]
 
 ESTIMATORS = ("lse", "mle")
-#: The sentence for each ``status`` of a batched fit (scipy's, and -1 for a fit whose
-#: numbers stopped being finite).
-BATCH_MESSAGES = {
-    **MESSAGES,
-    -1: "The residuals, cost or Jacobian are not finite (NaN or inf in the data, the start "
-    "or the model's values).",
-}
+#: The sentence for each ``status`` of a batched fit (scipy's; -1 a fit whose numbers
+#: stopped being finite, -3 a Poisson fit stopped against μ = 0).
+BATCH_MESSAGES = {**MESSAGES, **OWN_MESSAGES}
 
 
 class BatchResult(dict[str, Any]):
@@ -48,7 +44,8 @@ class BatchResult(dict[str, Any]):
     Fields, one entry per fit (tensors on the fits' device): ``x`` ``(B, n)``, ``cost``
     (``½Σρ(f²)``; half the deviance for Poisson fits), ``fun`` ``(B, m)`` (residuals, or
     the model for Poisson fits), ``nfev``, ``njev``, ``nit``, ``status`` (scipy's: 0
-    max_nfev, 1 gtol, 2 ftol, 3 xtol, 4 both; -1 not finite), ``success``
+    max_nfev, 1 gtol, 2 ftol, 3 xtol, 4 both; -1 not finite, -3 a Poisson fit stopped
+    against μ = 0), ``success``
     (``status > 0``); ``message`` a list of sentences (:data:`BATCH_MESSAGES`).
     """
 
@@ -123,7 +120,7 @@ def curve_fit_batch(
             Fisher information, ``Σ ∂μ∂μᵀ/μ``).  A step to ``μ < 0`` is refused, so
             bound a parameter that can take μ there (a background: ``lb = 0``): a
             fit pressed against ``μ = 0`` where its counts are 0 otherwise stops short
-            of the optimum on its step size (status 3).
+            on its step size, and is reported so (status -3, ``success`` False).
         loss: a robust loss, one of scipy's names (``"lse"`` only).
         f_scale: the robust loss's soft margin between inliers and outliers.
         ftol: scipy's tolerance on the relative reduction of the cost, per fit.

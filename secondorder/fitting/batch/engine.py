@@ -22,10 +22,27 @@ from .rule import BatchTrustRegion, RuleState, StepMeasures
 from .small_linalg import norm2, quadratic, solve_columns
 from .small_linalg import parameter_major as pm
 
-__all__ = ["BatchState", "start", "step", "waiting"]
+__all__ = ["AT_ZERO", "NOT_FINITE", "OWN_MESSAGES", "BatchState", "start", "step", "waiting"]
 
 #: Status of a fit whose residuals, cost or Jacobian stopped being finite.
 NOT_FINITE = -1
+#: Status of a Poisson fit that stopped on ftol/xtol after attempts refused for a model
+#: ``μ ≤ 0`` (where the deviance is undefined): pressed against ``μ = 0``, not shown
+#: converged (unless its deviance is within ftol of 0, its lower bound).
+AT_ZERO = -3
+#: A stop counts as against μ = 0 when a trial was refused for ``μ ≤ 0`` in its
+#: iteration or in one of this many before it (the radius those refusals shrank is
+#: carried into the next iterations; in float32 the last one often has no refusal).
+WALL_ITERATIONS = 2
+#: The sentences of the statuses the batch gives of its own (scipy's are in ``MESSAGES``).
+OWN_MESSAGES = {
+    NOT_FINITE: "The residuals, cost or Jacobian are not finite (NaN or inf in the data, the "
+    "start or the model's values).",
+    AT_ZERO: "The Poisson fit stopped against μ = 0: its last steps were refused because the "
+    "model went below zero (or to zero at a nonzero count), so it may end short of the "
+    "optimum; bound the parameters that can take μ there (a background: lb = 0) so that the "
+    "model stays ≥ 0.",
+}
 #: The dtype of the per-fit counts and status while fits run (int64 in the results):
 #: half the width of int64 in a compiled step's vector lanes.
 COUNT = torch.int32
@@ -40,8 +57,9 @@ class BatchState:
     ``dcol``); this iteration's ``sqrt_d = D^½``, ``‖D^½x‖`` and ``‖D^-½g‖``; the rule's
     state; scipy's ``status``, ``nfev``, ``nit``; and the iteration's bookkeeping
     (``fresh``: an iteration starts at the next step; ``attempts`` and the evaluations
-    at and left at its start; ``last_try``, the last point evaluated).  ``new``: fits
-    placed at their start ``y`` and not yet evaluated (see :func:`waiting`); the next
+    at and left at its start; ``last_try``, the last point evaluated; ``wall_at``, the
+    iteration (``nit``) of the last trial refused for a Poisson model ``μ ≤ 0``, or -1).
+    ``new``: fits placed at their start ``y`` and not yet evaluated (see :func:`waiting`); the next
     step evaluates and linearises them there, as :func:`start` does, and attempts
     nothing (with ``restart``, it also resets the rest of their state).  In a compiled
     step the ``(B, k)`` fields are stored column by column (``parameter_major``).
@@ -68,6 +86,7 @@ class BatchState:
     nfev_start: Tensor
     left_start: Tensor
     last_try: Tensor
+    wall_at: Tensor
     new: Tensor
 
     def take(self, index: Tensor) -> BatchState:
@@ -137,6 +156,7 @@ def start(problem: BatchProblem, y0: Tensor, damping: float) -> BatchState:
         nfev_start=ints.clone(),
         left_start=ints.clone(),
         last_try=y0.clone(),
+        wall_at=ints - 1,
         new=torch.zeros(b, dtype=torch.bool, device=y0.device),
     )
     # No two fields share a tensor: a compiled step is specialised to its inputs'
@@ -178,6 +198,7 @@ def waiting(y0: Tensor, m: int, damping: float) -> BatchState:
         nfev_start=ints.clone(),
         left_start=ints.clone(),
         last_try=y0.clone(),
+        wall_at=ints - 1,
         new=~flags,
     )
 
@@ -248,6 +269,14 @@ def step(
     state.last_try = pm(torch.where(go.unsqueeze(-1), y_try, state.last_try))
     state.nfev = state.nfev + (go & ~repeat).to(state.nfev.dtype)
     evaluated = go & torch.isfinite(c_try)
+    # A Poisson trial refused because its model left the deviance's domain (μ < 0, or
+    # μ = 0 at a count): its iteration is recorded, and a stop on ftol/xtol within
+    # WALL_ITERATIONS of it is the trust region shrunk against μ = 0, not convergence.
+    wall_at = torch.where(new, -1, state.wall_at)
+    if problem.counts is not None:
+        outside = ((f_try < 0) | ((f_try == 0) & (problem.counts > 0))).any(-1)
+        wall_at = torch.where(go & ~evaluated & outside, state.nit, wall_at)
+    state.wall_at = wall_at
     slope = (state.g * delta).sum(-1)
     measures = StepMeasures(
         scaled_norm=norm2(sqrt_d * delta, dim=-1),
@@ -298,6 +327,13 @@ def step(
         conv,
         torch.where(ended, end_status, torch.where(accepted, status_acc, state.status)),
     )
+    if problem.counts is not None:
+        stops = stop_conv | ended | (accepted & (status_acc != 0))
+        walled = (wall_at >= 0) & (state.nit - wall_at <= WALL_ITERATIONS)
+        # The deviance is never below 0: within ftol of 0 (in counts), the fit is at
+        # its optimum even against μ = 0 (no counts where μ is 0: the rate 0).
+        walled = walled & ~(state.cost2 <= rule.ftol)
+        status = torch.where(stops & walled & (status >= 2), AT_ZERO, status)
     state.status = torch.where(new, torch.where(lin.finite, 0, NOT_FINITE), status).to(COUNT)
     done = state.done | stop_conv | ended | (accepted & (status_acc != 0))
     state.done = torch.where(new, ~lin.finite, done)

@@ -52,24 +52,38 @@ class DataWeights:
         return _whiten(w, J)
 
 
-#: Entries of the product a whitening forms at once, ``k·m·m·n`` for ``k`` fits.
+#: Entries of the product a per-fit whitening forms at once, ``k·m·m·n`` for ``k`` fits.
 _WHITEN_ENTRIES = 1 << 22
+#: Fits per matrix product of a shared whitening: every product has this shape.
+_SLICE = 32
 
 
 def _whiten(w: Tensor, v: Tensor) -> Tensor:
-    """``w @ v`` per fit (``w`` ``(m, m)`` or ``(B, m, m)``, ``v`` ``(B, m, k)``), by sums.
+    """``w @ v`` per fit (``w`` ``(m, m)`` or ``(B, m, m)``, ``v`` ``(B, m, k)``).
 
-    A matrix product's rounding depends on how many fits it holds (BLAS takes another
-    kernel for one row than for many), so a fit would change in its last bits with
-    the chunk or the unfinished fits it runs among.  A product and a sum along each
-    row have one order per fit, whatever the batch; they run a slice of fits at a
-    time, so the ``(fits, m, m, k)`` product stays small.
+    A fit's bits must not depend on the chunk or on the unfinished fits it runs
+    among, and a matrix product's rounding depends on its shape (BLAS takes another
+    kernel for one fit than for many).  A shared ``w`` is applied to slices of
+    exactly ``_SLICE`` fits (the last one padded with zeros), so every product has
+    one shape; a per-fit ``w`` by a product and a sum along each row (one order per
+    fit), a slice of fits at a time so that the ``(fits, m, m, k)`` product stays small.
     """
     b, m, k = v.shape
+    if w.ndim == 2:
+        if b == 0:
+            return v.new_zeros(0, m, k)
+        pad = -b % _SLICE
+        if pad:
+            v = torch.cat([v, v.new_zeros(pad, m, k)])
+        parts = []
+        for lo in range(0, v.shape[0], _SLICE):
+            cols = v[lo : lo + _SLICE].permute(1, 0, 2).reshape(m, _SLICE * k)
+            parts.append((w @ cols).reshape(m, _SLICE, k).permute(1, 0, 2))
+        return torch.cat(parts)[:b]
     step = max(1, _WHITEN_ENTRIES // max(1, m * m * k))
     parts = []
     for lo in range(0, max(b, 1), step):
-        ws = w if w.ndim == 2 else w[lo : lo + step]
+        ws = w[lo : lo + step]
         parts.append((ws.unsqueeze(-1) * v[lo : lo + step].unsqueeze(-3)).sum(-2))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

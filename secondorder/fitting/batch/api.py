@@ -219,6 +219,8 @@ def curve_fit_batch(
 
     objective = Objective("poisson" if estimator == "mle" else "lse", loss, float(f_scale))
     check.check_loss(loss, f_scale)
+    scale = check.x_scale(x_scale, b, n, dt, dev)
+    check.feasible(p, lb, ub, name="p0")
     problem = BatchProblem(
         fun=residuals,
         jac=jac_fn,
@@ -239,7 +241,7 @@ def curve_fit_batch(
         ftol=ftol,
         xtol=xtol,
         gtol=gtol,
-        x_scale=x_scale,
+        scale=scale,
         max_nfev=max_nfev,
         check_every=check_every,
         chunk=chunk_size,
@@ -338,7 +340,7 @@ def least_squares_batch(
         rows.append(a.to(dev))
     lb, ub = check.bounds_pair(bounds, b, n, dt, dev)
     check.check_loss(loss, f_scale)
-    check.x_scale(x_scale, b, n, dt, dev)
+    scale = check.x_scale(x_scale, b, n, dt, dev)
     # Before the call of fun below that reads m: a refused start costs no evaluation.
     check.feasible(x_start, lb, ub, name="x0")
 
@@ -382,7 +384,7 @@ def least_squares_batch(
         ftol=ftol,
         xtol=xtol,
         gtol=gtol,
-        x_scale=x_scale,
+        scale=scale,
         max_nfev=max_nfev,
         check_every=check_every,
         chunk=chunk_size,
@@ -391,7 +393,6 @@ def least_squares_batch(
         compile=compile,
         covariance=False,
         absolute_sigma=False,
-        start="x0",
     )
     return res
 
@@ -407,7 +408,7 @@ def _solve(
     ftol: float | None,
     xtol: float | None,
     gtol: float | None,
-    x_scale: Any,
+    scale: Tensor | None,
     max_nfev: int | None,
     check_every: int,
     chunk: int | None,
@@ -416,20 +417,17 @@ def _solve(
     compile: bool,
     covariance: bool,
     absolute_sigma: bool,
-    start: str = "p0",
 ) -> tuple[BatchResult, Tensor | None]:
     """Check the run's options, build the rule and the change of variables, run, report.
 
-    ``start``: the name of the starts' argument, for the error that refuses one.
+    ``p``: starts within the bounds; ``scale``: the checked ``x_scale`` (None: Moré's).
     """
     tols = _check_options(
         ftol, xtol, gtol, max_nfev, check_every, chunk, memory_budget, compile, progress
     )
     b, n = p.shape
-    scale = check.x_scale(x_scale, b, n, p.dtype, p.device)
     lo, hi = torch.isfinite(problem.lb), torch.isfinite(problem.ub)
     bounded = bool((lo | hi).any())
-    check.feasible(p, problem.lb, problem.ub, name=start)
     problem = replace(problem, scale=scale, bounded=bounded)
     transform = problem.transform
     y0 = transform.to_y(transform.strictly_feasible(p))

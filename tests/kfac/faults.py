@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from secondorder.distributed import RankFailedError
 from secondorder.kfac import KFAC
 
 __all__ = ["Fault", "LineSweep", "Sweep", "same", "state_of", "writes_a_grad"]
@@ -188,6 +189,44 @@ def same(a: Any, b: Any) -> bool:
             and all(same(x, y) for x, y in zip(a, b, strict=True))
         )
     return bool(a == b)
+
+
+def interrupt_each_call(
+    calls: int,
+    rank: int,
+    mode: Callable[[int | None], Any],
+    attempt: Callable[[], Callable[[], Any]],
+    snapshot: Callable[[], Any],
+    done: str,
+) -> list[tuple[int, str, bool]]:
+    """Interrupt rank 0 at each of its ``calls`` calls in turn: the rounds that went wrong.
+
+    Each round builds ``attempt()`` (outside the fault) and runs it under ``mode(at)``
+    on rank 0 and ``mode(None)`` on the others.  Rank 0 must raise the interrupt and
+    every other rank :class:`RankFailedError`, each with ``snapshot()`` bitwise as
+    before; ``done`` names a round that raised nothing.  The sweep stops at the first
+    wrong round: the ranks may no longer be in step.
+    """
+    expected = "KeyboardInterrupt" if rank == 0 else "RankFailedError"
+    wrong: list[tuple[int, str, bool]] = []
+    for at in range(1, calls + 1):
+        before = snapshot()
+        run = attempt()
+        try:
+            with mode(at if rank == 0 else None):
+                run()
+            outcome = done
+        except KeyboardInterrupt as exc:
+            outcome = f"KeyboardInterrupt: {exc}"
+        except RankFailedError:
+            outcome = "RankFailedError"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        unchanged = same(snapshot(), before)
+        if not outcome.startswith(expected) or not unchanged:
+            wrong.append((at, outcome[:200], unchanged))
+            break
+    return wrong
 
 
 def backprop(net: nn.Module, i: int, rank: int, world: int) -> None:

@@ -25,10 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from secondorder.compat.kfac import KAISAConventionWarning, KFACPreconditioner
-from secondorder.distributed import RankFailedError
 from secondorder.kfac import KFAC, KFACOptimizer
 from secondorder.testing import run_ranks
-from tests.kfac.faults import LineSweep, Sweep, backprop, same, state_of
+from tests.kfac.faults import LineSweep, Sweep, backprop, interrupt_each_call, same, state_of
 
 pytestmark = pytest.mark.distributed
 
@@ -86,25 +85,9 @@ def sweep(rank: int, world: int, kind: str, mode: str) -> dict[str, Any]:
         clean()
     n = torch.tensor([float(counter.calls)], dtype=DT)
     dist.broadcast(n, 0)
-    wrong: list[tuple[int, str, bool]] = []
-    for at in range(1, int(n) + 1):
-        before = everything(obj, net)
-        attempt = load(obj)
-        try:
-            with MODES[mode](at if rank == 0 else None):
-                attempt()
-            outcome = "loaded"
-        except KeyboardInterrupt as exc:
-            outcome = f"KeyboardInterrupt: {exc}"
-        except RankFailedError:
-            outcome = "RankFailedError"
-        except Exception as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        unchanged = same(everything(obj, net), before)
-        expected = "KeyboardInterrupt" if rank == 0 else "RankFailedError"
-        if not outcome.startswith(expected) or not unchanged:
-            wrong.append((at, outcome[:200], unchanged))
-            break
+    wrong = interrupt_each_call(
+        int(n), rank, MODES[mode], lambda: load(obj), lambda: everything(obj, net), "loaded"
+    )
     if not wrong:
         load(obj)()
     return {

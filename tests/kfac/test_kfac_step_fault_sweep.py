@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from secondorder.distributed import RankFailedError
 from secondorder.kfac import KFAC
 from secondorder.testing import run_ranks
-from tests.kfac.faults import LineSweep, Sweep, backprop, same, state_of
+from tests.kfac.faults import LineSweep, Sweep, backprop, interrupt_each_call, same, state_of
 
 pytestmark = pytest.mark.distributed
 
@@ -60,24 +59,9 @@ def sweep(rank: int, world: int, fraction: Any, mode: str) -> dict[str, Any]:
     n = torch.tensor([float(counter.calls)], dtype=DT)
     dist.broadcast(n, 0)
     calls = int(n)
-    wrong: list[tuple[int, str, bool]] = []
-    for at in range(1, calls + 1):
-        before = state_of(kfac, net)
-        try:
-            with MODES[mode](at if rank == 0 else None):
-                kfac.step()
-            outcome = "stepped"
-        except KeyboardInterrupt as exc:
-            outcome = f"KeyboardInterrupt: {exc}"
-        except RankFailedError:
-            outcome = "RankFailedError"
-        except Exception as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        expected = "KeyboardInterrupt" if rank == 0 else "RankFailedError"
-        unchanged = same(state_of(kfac, net), before)
-        if not outcome.startswith(expected) or not unchanged:
-            wrong.append((at, outcome[:200], unchanged))
-            break  # the ranks may no longer be in step
+    wrong = interrupt_each_call(
+        calls, rank, MODES[mode], lambda: kfac.step, lambda: state_of(kfac, net), "stepped"
+    )
     if not wrong:
         kfac.step()
     return {
